@@ -1,0 +1,37 @@
+"""DeepSeek-V4.1 attention ops, native to ``torch.compile`` and CUDA graphs.
+
+Importing this package registers the ``torch.ops.dsv41`` custom ops:
+
+* :func:`sparse_mla` / :func:`sparse_mla_out` -- sparse MLA over an SWA and a compressed
+  segment with an attention sink, base-2 LSE.
+* :func:`topk_to_slots`, :func:`dcp_topk_to_slots`, :func:`swa_indices` -- index
+  conversion to paged-cache slots.
+* :func:`lse_combine`, :func:`dcp_combine` -- merging partial attention by LSE, locally
+  and across a decode-context-parallel group.
+
+Backends are chosen with :data:`config` / :func:`use_backends` and reported by
+:func:`backend_for`; KV-cache formats live in :mod:`compile_ops.formats`.
+"""
+
+from compile_ops.backends import BackendConfig, backend_for, config, use_backends
+from compile_ops.combine import dcp_combine, lse_combine
+from compile_ops.formats import KV_FORMATS, read_kv, write_kv
+from compile_ops.slots import dcp_topk_to_slots, swa_indices, topk_to_slots
+from compile_ops.mla import sparse_mla, sparse_mla_out
+
+__all__ = [
+    "BackendConfig",
+    "KV_FORMATS",
+    "backend_for",
+    "config",
+    "dcp_combine",
+    "dcp_topk_to_slots",
+    "lse_combine",
+    "read_kv",
+    "sparse_mla",
+    "sparse_mla_out",
+    "swa_indices",
+    "topk_to_slots",
+    "use_backends",
+    "write_kv",
+]

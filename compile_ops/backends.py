@@ -1,0 +1,117 @@
+"""Which implementation runs an op: explicit, overridable, never read from the environment.
+
+Each op family (``"sparse_mla"``, ``"slots"``, ``"combine"``) has backends registered in
+priority order with a predicate that returns ``None`` when the backend can run on a device
+and format, or a *reason* string when it cannot. ``"auto"`` takes the first backend whose
+predicate returns ``None``; an explicit choice that cannot run raises ``ValueError`` with
+the reason.
+
+Choose with the module-level :data:`config` or, scoped, with :func:`use_backends`::
+
+    import compile_ops
+    with compile_ops.use_backends(sparse_mla="reference"):
+        out, lse = compile_ops.sparse_mla(...)
+    compile_ops.backend_for("sparse_mla", torch.device("cuda"), "fp8")   # -> "triton"
+
+The choice is read when an op runs (or when a CUDA graph is captured), not when a
+function is compiled: a captured graph keeps the backend it was captured with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields
+from typing import Callable, Iterator, Optional
+
+import torch
+
+Predicate = Callable[[torch.device, Optional[str]], Optional[str]]
+
+
+@dataclass
+class BackendConfig:
+    """Backend per op family; each is ``"auto"`` or a registered backend name."""
+
+    sparse_mla: str = "auto"
+    slots: str = "auto"
+    combine: str = "auto"
+
+
+config = BackendConfig()
+_FAMILIES = tuple(f.name for f in fields(BackendConfig))
+_REGISTRY: dict[str, dict[str, tuple[Predicate, Callable]]] = {name: {} for name in _FAMILIES}
+
+
+def register_backend(family: str, name: str, predicate: Predicate, impl: Callable) -> None:
+    """Register ``impl`` as backend ``name`` of ``family`` (earlier registrations win ``auto``)."""
+    _REGISTRY[family][name] = (predicate, impl)
+
+
+def _check_family(family: str) -> dict[str, tuple[Predicate, Callable]]:
+    if family not in _REGISTRY:
+        raise ValueError(f"op family must be one of {list(_FAMILIES)}, got {family!r}")
+    return _REGISTRY[family]
+
+
+def backends(family: str) -> list[str]:
+    """Registered backend names of ``family``, in ``auto`` priority order."""
+    return list(_check_family(family))
+
+
+def resolve(family: str, device: torch.device, kv_format: Optional[str] = None) -> tuple[str, Callable]:
+    """The backend name and implementation that ``family`` uses on ``device``."""
+    registry = _check_family(family)
+    choice = getattr(config, family)
+    device = torch.device(device)
+    if choice != "auto":
+        if choice not in registry:
+            raise ValueError(
+                f"compile_ops.config.{family} must be 'auto' or one of {list(registry)}, got {choice!r}"
+            )
+        predicate, impl = registry[choice]
+        reason = predicate(device, kv_format)
+        if reason is not None:
+            raise ValueError(f"backend {choice!r} cannot run {family} on {device}: {reason}")
+        return choice, impl
+    reasons = []
+    for name, (predicate, impl) in registry.items():
+        reason = predicate(device, kv_format)
+        if reason is None:
+            return name, impl
+        reasons.append(f"{name}: {reason}")
+    raise ValueError(f"no backend can run {family} on {device} ({'; '.join(reasons)})")
+
+
+def backend_for(family: str, device, kv_format: Optional[str] = None) -> str:
+    """Name of the backend ``family`` would use on ``device`` (and ``kv_format``) now."""
+    return resolve(family, device, kv_format)[0]
+
+
+@contextlib.contextmanager
+def use_backends(**choices: str) -> Iterator[BackendConfig]:
+    """Temporarily set backends, e.g. ``use_backends(sparse_mla="reference")``."""
+    unknown = set(choices) - set(_FAMILIES)
+    if unknown:
+        raise ValueError(f"use_backends takes {list(_FAMILIES)}, got {sorted(unknown)}")
+    saved = {name: getattr(config, name) for name in choices}
+    try:
+        for name, value in choices.items():
+            setattr(config, name, value)
+        yield config
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+def any_device(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
+    return None
+
+
+def cuda_with_triton(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
+    if device.type != "cuda":
+        return f"Triton kernels run on CUDA devices only, got {device.type}"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'dsv41-compile-ops[test]')"
+    return None

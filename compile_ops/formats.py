@@ -1,0 +1,268 @@
+"""KV-cache formats: byte layouts, a reference quantizer and a reference dequantizer.
+
+Every cache is a paged tensor ``[num_pages, page_size, row_width]`` whose pages are each
+contiguous; only the page stride (``cache.stride(0)``) is free, so a cache may be a view
+into a larger allocation. A *slot* is a token row: ``slot = page * page_size + offset``.
+
+=============  ==========  =====  ===========================================================
+``kv_format``  dtype       width  one page, in bytes
+=============  ==========  =====  ===========================================================
+``bf16``       bfloat16    512    ``page_size`` rows of 512 bf16
+``fp8``        e4m3fn      512    ``page_size`` rows of 512 e4m3; value = e4m3 * ``kv_scale``
+``fp8_ds_mla`` uint8       584    ``page_size`` data rows of 576 B (448 e4m3 NoPE values, then
+                                  64 bf16 RoPE values), then ``page_size`` scale rows of 8 B
+                                  (7 UE8M0 scales, one per 64 NoPE values, then 1 zero byte)
+``fp8_dsv41``  uint8       528    ``page_size`` data rows of 512 e4m3 values, then
+                                  ``page_size`` scale rows of 16 UE8M0 scales (one per 32)
+=============  ==========  =====  ===========================================================
+
+A UE8M0 byte ``e`` means ``2**(e - 127)``. For a block with max magnitude ``amax`` the
+quantizer picks ``e = ceil(log2(max(amax, 1e-4) / 448)) + 127`` and stores
+``clamp(x / 2**(e - 127), -448, 448)`` rounded to nearest e4m3.
+
+Round-trip error of one value ``x`` (``docs/formats.md`` derives the bounds; the tests
+check them): ``bf16`` is exact for bf16 input (``2**-9 * |x|`` for fp32 input); ``fp8``:
+``2**-4 * |x| + 2**-10 * kv_scale`` while ``|x| <= 448 * kv_scale`` (saturates beyond);
+``fp8_ds_mla`` / ``fp8_dsv41``: ``2**-4 * |x| + 2**-10 * s`` with ``s`` the block's scale
+(``s < 2 * max(amax, 1e-4) / 448``), and ``fp8_ds_mla``'s RoPE dims are bf16 (``2**-9``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compile_ops._checks import check_tensor
+
+HEAD_DIM = 512
+E4M3_MAX = 448.0
+UE8M0_BIAS = 127
+AMAX_FLOOR = 1e-4
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """Static description of one cache format.
+
+    ``data_bytes`` and ``scale_bytes`` are the sizes of one token's data row and scale row;
+    a page holds all its data rows first, then all its scale rows (no scale rows for
+    ``bf16`` / ``fp8``). ``nope`` values are stored as e4m3 in blocks of ``block``
+    values sharing one UE8M0 scale (``block == 0``: one per-tensor ``kv_scale``); the
+    remaining ``512 - nope`` RoPE values are stored as bf16.
+    """
+
+    name: str
+    dtype: torch.dtype
+    row_width: int
+    data_bytes: int
+    scale_bytes: int
+    nope: int
+    block: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.data_bytes + self.scale_bytes
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    f.name: f
+    for f in (
+        KVFormat("bf16", torch.bfloat16, 512, 1024, 0, 0, 0),
+        KVFormat("fp8", torch.float8_e4m3fn, 512, 512, 0, 512, 0),
+        KVFormat("fp8_ds_mla", torch.uint8, 584, 576, 8, 448, 64),
+        KVFormat("fp8_dsv41", torch.uint8, 528, 512, 16, 512, 32),
+    )
+}
+
+
+def get_format(kv_format: object) -> KVFormat:
+    """The :class:`KVFormat` named ``kv_format``; ``ValueError`` for an unknown name."""
+    if not isinstance(kv_format, str):
+        raise TypeError(f"kv_format must be a str, got {type(kv_format).__name__}")
+    fmt = KV_FORMATS.get(kv_format)
+    if fmt is None:
+        raise ValueError(f"kv_format must be one of {sorted(KV_FORMATS)}, got {kv_format!r}")
+    return fmt
+
+
+def check_cache(name: str, cache: object, kv_format: str, device=None) -> KVFormat:
+    """Validate a paged cache of ``kv_format`` (dtype, rank, row width, page contiguity)."""
+    fmt = get_format(kv_format)
+    check_tensor(name, cache, fmt.dtype, 3, device)
+    if cache.shape[-1] != fmt.row_width:
+        raise ValueError(
+            f"{name} holds kv_format {kv_format!r}, whose rows are {fmt.row_width} wide "
+            f"([num_pages, page_size, {fmt.row_width}] {fmt.dtype}), got shape "
+            f"{tuple(cache.shape)}"
+        )
+    if cache.shape[1] > 1 and (cache.stride(2) != 1 or cache.stride(1) != fmt.row_width):
+        raise ValueError(
+            f"{name} must be contiguous within each page (strides (*, {fmt.row_width}, 1)); "
+            f"got strides {cache.stride()}"
+        )
+    return fmt
+
+
+def new_cache(
+    kv_format: str,
+    num_pages: int,
+    page_size: int,
+    *,
+    device=None,
+    page_gap: int = 0,
+) -> torch.Tensor:
+    """A zeroed cache ``[num_pages, page_size, row_width]``.
+
+    ``page_gap`` extra elements between pages make ``stride(0)`` larger than a page, as
+    when a cache is a view into a bigger pool.
+    """
+    fmt = get_format(kv_format)
+    pool = torch.zeros(num_pages, page_size * fmt.row_width + page_gap, dtype=fmt.dtype, device=device)
+    return pool[:, : page_size * fmt.row_width].view(num_pages, page_size, fmt.row_width)
+
+
+def num_slots(cache: torch.Tensor) -> int:
+    return cache.shape[0] * cache.shape[1]
+
+
+def _page_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """``[num_pages, page_bytes]`` uint8 view of ``cache`` honouring its page stride."""
+    raw = cache.view(torch.uint8)
+    elem = cache.element_size()
+    pages, page_size, width = cache.shape
+    return raw.as_strided(
+        (pages, page_size * width * elem), (raw.stride(0), 1), raw.storage_offset()
+    )
+
+
+def _row_byte_index(fmt: KVFormat, page_size: int, offset: torch.Tensor) -> torch.Tensor:
+    """Byte offsets inside a page of each slot's data row then scale row: ``[..., bytes_per_token]``."""
+    data = offset.unsqueeze(-1) * fmt.data_bytes + torch.arange(fmt.data_bytes, device=offset.device)
+    if fmt.scale_bytes == 0:
+        return data
+    scale = (
+        page_size * fmt.data_bytes
+        + offset.unsqueeze(-1) * fmt.scale_bytes
+        + torch.arange(fmt.scale_bytes, device=offset.device)
+    )
+    return torch.cat([data, scale], dim=-1)
+
+
+def _ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(max(amax, 1e-4) / 448)) + 127`` computed exactly with frexp."""
+    mantissa, exponent = torch.frexp(amax.clamp_min(AMAX_FLOOR) / E4M3_MAX)
+    return exponent - (mantissa == 0.5).to(exponent.dtype) + UE8M0_BIAS
+
+
+def encode_rows(kv: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> torch.Tensor:
+    """Quantize ``kv [N, 512]`` (any float dtype) to cache bytes ``[N, bytes_per_token]`` uint8."""
+    fmt = get_format(kv_format)
+    kv = kv.float()
+    if fmt.name == "bf16":
+        return kv.to(torch.bfloat16).view(torch.uint8)
+    if fmt.name == "fp8":
+        return (kv / kv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    n = kv.shape[0]
+    blocks = kv[:, : fmt.nope].reshape(n, fmt.nope // fmt.block, fmt.block)
+    exponent = _ue8m0_exponent(blocks.abs().amax(-1))
+    scale = torch.ldexp(torch.ones_like(blocks[..., 0]), exponent - UE8M0_BIAS)
+    e4m3 = (blocks / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    parts = [e4m3.reshape(n, fmt.nope).view(torch.uint8)]
+    if fmt.nope < HEAD_DIM:
+        parts.append(kv[:, fmt.nope :].to(torch.bfloat16).view(torch.uint8))
+    scale_bytes = torch.zeros(n, fmt.scale_bytes, dtype=torch.uint8, device=kv.device)
+    scale_bytes[:, : exponent.shape[1]] = exponent.to(torch.uint8)
+    parts.append(scale_bytes)
+    return torch.cat(parts, dim=-1)
+
+
+def decode_rows(rows: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> torch.Tensor:
+    """Dequantize cache bytes ``[..., bytes_per_token]`` uint8 to fp32 ``[..., 512]``."""
+    fmt = get_format(kv_format)
+    lead = rows.shape[:-1]
+    rows = rows.reshape(-1, fmt.bytes_per_token).contiguous()
+    if fmt.name == "bf16":
+        out = rows.view(torch.bfloat16).float()
+    elif fmt.name == "fp8":
+        out = rows.view(torch.float8_e4m3fn).float() * kv_scale
+    else:
+        n, nblocks = rows.shape[0], fmt.nope // fmt.block
+        values = rows[:, : fmt.nope].view(torch.float8_e4m3fn).float().reshape(n, nblocks, fmt.block)
+        exponent = rows[:, fmt.data_bytes : fmt.data_bytes + nblocks].int() - UE8M0_BIAS
+        scale = torch.ldexp(torch.ones(exponent.shape, device=rows.device), exponent)
+        parts = [(values * scale.unsqueeze(-1)).reshape(n, fmt.nope)]
+        if fmt.nope < HEAD_DIM:
+            parts.append(rows[:, fmt.nope : fmt.data_bytes].contiguous().view(torch.bfloat16).float())
+        out = torch.cat(parts, dim=-1)
+    return out.reshape(*lead, HEAD_DIM)
+
+
+def _locate(cache: torch.Tensor, slots: torch.Tensor):
+    """Page, in-page byte index and validity of each slot (invalid slots point at slot 0)."""
+    fmt_pages, page_size = cache.shape[0], cache.shape[1]
+    slots = slots.long()
+    valid = (slots >= 0) & (slots < fmt_pages * page_size)
+    safe = torch.where(valid, slots, 0)
+    return safe // page_size, safe % page_size, valid
+
+
+def read_kv(cache: torch.Tensor, slots: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> torch.Tensor:
+    """Dequantized rows of ``slots`` (int tensor, any shape ``S``): fp32 ``[*S, 512]``.
+
+    Slots that are ``-1`` or outside ``[0, num_pages * page_size)`` read as zeros; their
+    memory is never touched.
+    """
+    fmt = check_cache("cache", cache, kv_format)
+    if num_slots(cache) == 0:
+        return torch.zeros(*slots.shape, HEAD_DIM, device=cache.device)
+    page, offset, valid = _locate(cache, slots)
+    rows = _page_bytes(cache)[page.unsqueeze(-1), _row_byte_index(fmt, cache.shape[1], offset)]
+    return decode_rows(rows, kv_format, kv_scale) * valid.unsqueeze(-1)
+
+
+def _check_write(cache, slots, kv, kv_format, kv_scale) -> KVFormat:
+    fmt = check_cache("cache", cache, kv_format)
+    check_tensor("slots", slots, (torch.int32, torch.int64), 1, cache.device)
+    check_tensor("kv", kv, (torch.bfloat16, torch.float16, torch.float32), 2, cache.device)
+    if kv.shape[0] != slots.shape[0] or kv.shape[1] != HEAD_DIM:
+        raise ValueError(f"kv must be [len(slots), {HEAD_DIM}] = [{slots.shape[0]}, {HEAD_DIM}], got {list(kv.shape)}")
+    if not float(kv_scale) > 0.0:
+        raise ValueError(f"kv_scale must be a positive float, got {kv_scale}")
+    return fmt
+
+
+@torch.library.custom_op("dsv41::write_kv", mutates_args=("cache",))
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> None:
+    fmt = _check_write(cache, slots, kv, kv_format, kv_scale)
+    if num_slots(cache) == 0 or slots.shape[0] == 0:
+        return
+    page, offset, valid = _locate(cache, slots)
+    pages = _page_bytes(cache)
+    index = (page.unsqueeze(-1).expand(-1, fmt.bytes_per_token), _row_byte_index(fmt, cache.shape[1], offset))
+    delta = (encode_rows(kv, kv_format, kv_scale) - pages[index]) * valid.unsqueeze(-1)
+    pages.index_put_(index, delta, accumulate=True)
+
+
+@write_kv.register_fake
+def _(cache, slots, kv, kv_format, kv_scale=1.0):
+    _check_write(cache, slots, kv, kv_format, kv_scale)
+
+
+write_kv.__doc__ = """Quantize ``kv [N, 512]`` and write row ``i`` to slot ``slots[i]`` of ``cache``, in place.
+
+``slots`` is ``[N]`` int32/int64; rows whose slot is ``-1`` or out of range are skipped
+(CUDA-graph padding tokens) with no host sync: the write adds byte deltas with
+``index_put_(accumulate=True)`` and a skipped row adds zero. Two valid rows with the
+same slot leave that slot's bytes undefined.
+
+Example::
+
+    >>> import torch
+    >>> from compile_ops.formats import new_cache, read_kv, write_kv
+    >>> cache = new_cache("fp8_dsv41", num_pages=2, page_size=4)
+    >>> kv = torch.ones(2, 512)
+    >>> write_kv(cache, torch.tensor([5, -1]), kv, "fp8_dsv41")
+    >>> read_kv(cache, torch.tensor([5]), "fp8_dsv41").unique().tolist()
+    [1.0]
+"""

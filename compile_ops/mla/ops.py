@@ -1,0 +1,168 @@
+"""``dsv41::sparse_mla`` and ``dsv41::sparse_mla_out``: schema, validation, fake, dispatch.
+
+Shape legend: ``T`` tokens (queries), ``H`` query heads, ``W`` SWA index columns, ``K``
+compressed index columns; every head is 512 wide (448 NoPE + 64 RoPE), value = key.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from compile_ops import backends
+from compile_ops._checks import check_dim, check_float, check_tensor
+from compile_ops.formats import HEAD_DIM, check_cache
+from compile_ops.mla.reference import sparse_mla_reference
+
+
+def _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale):
+    check_tensor("q", q, torch.bfloat16, 3)
+    if q.shape[2] != HEAD_DIM:
+        raise ValueError(f"q must be [T, H, {HEAD_DIM}], got shape {tuple(q.shape)}")
+    device, (T, H) = q.device, q.shape[:2]
+    check_cache("swa_cache", swa_cache, kv_format, device)
+    check_tensor("swa_indices", swa_indices, torch.int32, 2, device)
+    check_dim("swa_indices", swa_indices, 0, T, "q.shape[0], the token count T")
+    check_tensor("swa_lens", swa_lens, torch.int32, 1, device)
+    check_dim("swa_lens", swa_lens, 0, T, "q.shape[0], the token count T")
+    given = [x is not None for x in (cmp_cache, cmp_indices, cmp_lens)]
+    if any(given) and not all(given):
+        raise ValueError(
+            "cmp_cache, cmp_indices and cmp_lens must be given together or all be None; "
+            f"got cmp_cache={'set' if given[0] else None}, cmp_indices={'set' if given[1] else None}, "
+            f"cmp_lens={'set' if given[2] else None}"
+        )
+    if all(given):
+        check_cache("cmp_cache", cmp_cache, kv_format, device)
+        check_tensor("cmp_indices", cmp_indices, torch.int32, 2, device)
+        check_dim("cmp_indices", cmp_indices, 0, T, "q.shape[0], the token count T")
+        check_tensor("cmp_lens", cmp_lens, torch.int32, 1, device)
+        check_dim("cmp_lens", cmp_lens, 0, T, "q.shape[0], the token count T")
+    if sink is not None:
+        check_tensor("sink", sink, torch.float32, 1, device)
+        check_dim("sink", sink, 0, H, "q.shape[1], the head count H")
+    check_float("sm_scale", sm_scale)
+    if not float(kv_scale) > 0.0:
+        raise ValueError(f"kv_scale must be a positive float, got {kv_scale}")
+
+
+def _check_outputs(q: Tensor, out: Tensor, lse: Tensor) -> None:
+    T, H = q.shape[:2]
+    check_tensor("out", out, torch.bfloat16, 3, q.device)
+    if tuple(out.shape) != (T, H, HEAD_DIM) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [T, H, {HEAD_DIM}] = [{T}, {H}, {HEAD_DIM}] tensor, got shape {tuple(out.shape)} strides {out.stride()}")
+    check_tensor("lse", lse, torch.float32, 2, q.device)
+    if tuple(lse.shape) != (T, H) or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous [T, H] = [{T}, {H}] tensor, got shape {tuple(lse.shape)} strides {lse.stride()}")
+
+
+@torch.library.custom_op("dsv41::sparse_mla_out", mutates_args=("out", "lse"))
+def sparse_mla_out(
+    q: Tensor,
+    swa_cache: Tensor,
+    swa_indices: Tensor,
+    swa_lens: Tensor,
+    cmp_cache: Optional[Tensor],
+    cmp_indices: Optional[Tensor],
+    cmp_lens: Optional[Tensor],
+    sink: Optional[Tensor],
+    sm_scale: float,
+    kv_format: str,
+    kv_scale: float,
+    out: Tensor,
+    lse: Tensor,
+) -> None:
+    _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    _check_outputs(q, out, lse)
+    _, impl = backends.resolve("sparse_mla", q.device, kv_format)
+    impl(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse)
+
+
+@sparse_mla_out.register_fake
+def _(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse):
+    _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    _check_outputs(q, out, lse)
+
+
+@torch.library.custom_op("dsv41::sparse_mla", mutates_args=())
+def sparse_mla(
+    q: Tensor,
+    swa_cache: Tensor,
+    swa_indices: Tensor,
+    swa_lens: Tensor,
+    cmp_cache: Optional[Tensor],
+    cmp_indices: Optional[Tensor],
+    cmp_lens: Optional[Tensor],
+    sink: Optional[Tensor],
+    sm_scale: float,
+    kv_format: str = "bf16",
+    kv_scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    out, lse = _new_outputs(q)
+    sparse_mla_out(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse)
+    return out, lse
+
+
+def _new_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
+    T, H = q.shape[:2]
+    return (
+        torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device),
+        torch.empty((T, H), dtype=torch.float32, device=q.device),
+    )
+
+
+@sparse_mla.register_fake
+def _(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format="bf16", kv_scale=1.0):
+    _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    return _new_outputs(q)
+
+
+sparse_mla.__doc__ = """Sparse MLA attention over an SWA segment and a compressed segment, with a sink.
+
+For token ``t`` and head ``h``, let ``J`` be the first ``swa_lens[t]`` entries of
+``swa_indices[t]`` plus the first ``cmp_lens[t]`` entries of ``cmp_indices[t]``, dropping
+``-1`` and slots outside their cache (never read). With ``s_j = sm_scale * <q[t,h], k_j>``
+and ``v_j = k_j``::
+
+    out[t, h] = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink[h]))
+    lse[t, h] = log2(sum_j exp(s_j) + exp(sink[h]))
+
+An empty row gives ``out = 0`` and ``lse = sink[h] * log2(e)`` (``-inf`` without sink).
+
+Args:
+    q: ``[T, H, 512]`` bf16 queries (any ``H >= 1``).
+    swa_cache: paged cache ``[pages, page_size, row_width]`` in ``kv_format``
+        (see :mod:`compile_ops.formats`).
+    swa_indices: ``[T, W]`` int32 slots of ``swa_cache``; ``-1`` = empty.
+    swa_lens: ``[T]`` int32; only the first ``swa_lens[t]`` columns count.
+    cmp_cache, cmp_indices, cmp_lens: the compressed segment (``[T, K]`` / ``[T]`` int32),
+        or all three ``None``.
+    sink: ``[H]`` fp32 attention-sink logits, or ``None``; ``-inf`` has no effect.
+    sm_scale: softmax scale applied to ``<q, k>``.
+    kv_format: ``"bf16"``, ``"fp8"``, ``"fp8_ds_mla"`` or ``"fp8_dsv41"``.
+    kv_scale: per-tensor scale of the ``"fp8"`` format (ignored by the others).
+
+Returns:
+    ``(out [T, H, 512] bf16, lse [T, H] fp32, base 2)``.
+
+Example::
+
+    >>> import torch, compile_ops
+    >>> from compile_ops.formats import new_cache
+    >>> cache = new_cache("bf16", num_pages=2, page_size=4)
+    >>> q = torch.randn(1, 8, 512, dtype=torch.bfloat16)
+    >>> idx = torch.tensor([[0, 1, -1]], dtype=torch.int32)
+    >>> lens = torch.tensor([2], dtype=torch.int32)
+    >>> out, lse = compile_ops.sparse_mla(q, cache, idx, lens, None, None, None, None, 0.04)
+    >>> out.shape, lse.shape
+    (torch.Size([1, 8, 512]), torch.Size([1, 8]))
+"""
+
+sparse_mla_out.__doc__ = """:func:`sparse_mla` writing into caller-owned ``out [T, H, 512]`` bf16 and
+``lse [T, H]`` fp32 (both contiguous); returns ``None``. ``kv_format`` and ``kv_scale``
+are required here. Use it with static buffers under CUDA-graph capture.
+"""
+
+backends.register_backend("sparse_mla", "reference", backends.any_device, sparse_mla_reference)
