@@ -21,10 +21,10 @@ quantizer picks ``e = ceil(log2(max(amax, 1e-4) / 448)) + 127`` and stores
 ``clamp(x / 2**(e - 127), -448, 448)`` rounded to nearest e4m3.
 
 Round-trip error of one value ``x`` (``docs/formats.md`` derives the bounds; the tests
-check them): ``bf16`` is exact for bf16 input (``2**-9 * |x|`` for fp32 input); ``fp8``:
+check them): ``bf16`` is exact for bf16 input (``2**-8 * |x|`` for fp32 input); ``fp8``:
 ``2**-4 * |x| + 2**-10 * kv_scale`` while ``|x| <= 448 * kv_scale`` (saturates beyond);
 ``fp8_ds_mla`` / ``fp8_dsv41``: ``2**-4 * |x| + 2**-10 * s`` with ``s`` the block's scale
-(``s < 2 * max(amax, 1e-4) / 448``), and ``fp8_ds_mla``'s RoPE dims are bf16 (``2**-9``).
+(``s < 2 * max(amax, 1e-4) / 448``), and ``fp8_ds_mla``'s RoPE dims are bf16 (``2**-8 * |x|``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,179 @@
+"""Float64 oracles, written from DESIGN.md independently of the package's code.
+
+They decode cache bytes bit by bit (their own e4m3 / bf16 / UE8M0 decoders), walk rows
+entry by entry in Python and compute in numpy float64. Slow and obvious on purpose.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+# name: (data row bytes, scale row bytes, e4m3 values per row, values per UE8M0 scale)
+LAYOUTS = {
+    "bf16": (1024, 0, 0, 0),
+    "fp8": (512, 0, 512, 0),
+    "fp8_ds_mla": (576, 8, 448, 64),
+    "fp8_dsv41": (512, 16, 512, 32),
+}
+
+
+def _e4m3_table() -> np.ndarray:
+    table = np.empty(256, dtype=np.float64)
+    for byte in range(256):
+        sign = -1.0 if byte & 0x80 else 1.0
+        exponent, mantissa = (byte >> 3) & 0xF, byte & 0x7
+        if exponent == 0xF and mantissa == 0x7:
+            table[byte] = math.nan
+        elif exponent == 0:
+            table[byte] = sign * (mantissa / 8.0) * 2.0**-6
+        else:
+            table[byte] = sign * (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7)
+    return table
+
+
+E4M3 = _e4m3_table()
+
+
+def _bf16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian bf16 bytes -> float64."""
+    bits = raw.astype(np.uint32)[0::2] | (raw.astype(np.uint32)[1::2] << 8)
+    return (bits << 16).view(np.float32).astype(np.float64)
+
+
+def slot_decoder(cache: torch.Tensor, kv_format: str, kv_scale: float = 1.0):
+    """A function ``slot -> float64 [512]`` decoding token rows of ``cache`` from its raw bytes."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage()).numpy().copy()
+    esize = cache.element_size()
+    base, page_stride, page_size = cache.storage_offset() * esize, cache.stride(0) * esize, cache.shape[1]
+    data_bytes, scale_bytes, n_e4m3, block = LAYOUTS[kv_format]
+
+    def decode(slot: int) -> np.ndarray:
+        page, offset = divmod(slot, page_size)
+        start = base + page * page_stride
+        data = raw[start + offset * data_bytes : start + (offset + 1) * data_bytes]
+        if kv_format == "bf16":
+            return _bf16(data)
+        values = E4M3[data[:n_e4m3]]
+        if kv_format == "fp8":
+            return values * kv_scale
+        scales_at = start + page_size * data_bytes + offset * scale_bytes
+        exps = raw[scales_at : scales_at + n_e4m3 // block].astype(np.float64)
+        values = values * np.repeat(2.0 ** (exps - 127.0), block)
+        return np.concatenate([values, _bf16(data[n_e4m3:])])
+
+    return decode
+
+
+def sparse_mla(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale=1.0):
+    """DESIGN 3.1 in float64: returns (out [T, H, 512], lse [T, H]) numpy arrays."""
+    qd = q.double().numpy()
+    T, H, _ = qd.shape
+    out = np.zeros((T, H, 512))
+    lse = np.zeros((T, H))
+    segments = [(swa_cache, swa_indices, swa_lens)]
+    if cmp_cache is not None:
+        segments.append((cmp_cache, cmp_indices, cmp_lens))
+    segments = [(c, slot_decoder(c, kv_format, kv_scale), i, n) for c, i, n in segments]
+    sink_d = None if sink is None else sink.double().numpy()
+    for t in range(T):
+        keys = []
+        for cache, decode, indices, lens in segments:
+            n_slots = cache.shape[0] * cache.shape[1]
+            for j in range(int(lens[t])):
+                if j >= indices.shape[1]:
+                    break
+                slot = int(indices[t, j])
+                if 0 <= slot < n_slots:
+                    keys.append(decode(slot))
+        for h in range(H):
+            logits = [sm_scale * float(qd[t, h] @ k) for k in keys]
+            if sink_d is not None:
+                logits.append(float(sink_d[h]))
+            finite = [x for x in logits if x != -math.inf]
+            if not finite:
+                out[t, h], lse[t, h] = 0.0, -math.inf
+                continue
+            top = max(finite)
+            weights = [math.exp(x - top) for x in logits]
+            total = sum(weights)
+            acc = sum((w * k for w, k in zip(weights, keys)), np.zeros(512))
+            out[t, h] = acc / total
+            lse[t, h] = (top + math.log(total)) / math.log(2.0)
+    return out, lse
+
+
+def _table_slot(block_table, req: int, cid: int, block_size: int) -> int | None:
+    R, B = block_table.shape
+    if cid < 0 or not 0 <= req < R or cid // block_size >= B:
+        return None
+    page = int(block_table[req, cid // block_size])
+    if page < 0:
+        return None
+    return page * block_size + cid % block_size
+
+
+def topk_to_slots(topk, token_to_req, block_table, block_size, is_valid, owner=None):
+    """DESIGN 3.2; ``owner(c) -> local id or None`` filters global ids for DCP."""
+    T, K = topk.shape
+    slots = np.full((T, K), -1, dtype=np.int64)
+    lens = np.zeros(T, dtype=np.int64)
+    for t in range(T):
+        if not bool(is_valid[t]):
+            continue
+        found = []
+        for c in topk[t].tolist():
+            cid = c if owner is None else owner(c)
+            slot = None if cid is None else _table_slot(block_table, int(token_to_req[t]), cid, block_size)
+            if slot is not None:
+                found.append(slot)
+        slots[t, : len(found)] = found
+        lens[t] = len(found)
+    return slots, lens
+
+
+def dcp_topk_to_slots(topk, token_to_req, block_table, block_size, is_valid, rank, world, interleave):
+    def owner(c):
+        if c < 0 or (c // interleave) % world != rank:
+            return None
+        return (c // (world * interleave)) * interleave + c % interleave
+
+    return topk_to_slots(topk, token_to_req, block_table, block_size, is_valid, owner)
+
+
+def swa_indices(positions, token_to_req, block_table, page_size, window):
+    T = positions.shape[0]
+    indices = np.full((T, window), -1, dtype=np.int64)
+    lens = np.zeros(T, dtype=np.int64)
+    R = block_table.shape[0]
+    for t in range(T):
+        p, r = int(positions[t]), int(token_to_req[t])
+        if p < 0 or not 0 <= r < R:
+            continue
+        first = max(0, p - window + 1)
+        for j, x in enumerate(range(first, p + 1)):
+            slot = _table_slot(block_table, r, x, page_size)
+            indices[t, j] = -1 if slot is None else slot
+        lens[t] = p + 1 - first
+    return indices, lens
+
+
+def lse_combine(partial_out, partial_lse):
+    o = partial_out.double().numpy()
+    L = partial_lse.double().numpy()
+    N, T, H, D = o.shape
+    out = np.zeros((T, H, D))
+    lse = np.full((T, H), -math.inf)
+    for t in range(T):
+        for h in range(H):
+            terms = [(L[r, t, h], o[r, t, h]) for r in range(N) if math.isfinite(L[r, t, h]) or L[r, t, h] == -math.inf]
+            terms = [(x, v) for x, v in terms if x != -math.inf]
+            if not terms:
+                continue
+            top = max(x for x, _ in terms)
+            total = sum(2.0 ** (x - top) for x, _ in terms)
+            lse[t, h] = top + math.log2(total)
+            out[t, h] = sum(2.0 ** (x - lse[t, h]) * v for x, v in terms)
+    return out, lse

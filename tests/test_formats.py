@@ -1,0 +1,107 @@
+"""KV-cache formats: byte layout against the oracle's decoder and the documented error bounds."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compile_ops.formats import KV_FORMATS, get_format, new_cache, read_kv, write_kv
+
+import oracle
+
+EXAMPLES = 60
+
+
+def bound(kv_format, x, kv_scale):
+    """The per-value round-trip bound stated in compile_ops.formats / docs/formats.md."""
+    x = x.double()
+    if kv_format == "bf16":
+        return 2.0**-8 * x.abs()
+    if kv_format == "fp8":
+        return 2.0**-4 * x.abs() + 2.0**-10 * kv_scale
+    fmt = get_format(kv_format)
+    blocks = x[:, : fmt.nope].reshape(x.shape[0], -1, fmt.block)
+    scale = 2 * blocks.abs().amax(-1).clamp_min(1e-4) / 448
+    nope = 2.0**-4 * blocks.abs() + 2.0**-10 * scale.unsqueeze(-1)
+    return torch.cat([nope.reshape(x.shape[0], -1), 2.0**-8 * x[:, fmt.nope :].abs()], 1)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    st.sampled_from(sorted(KV_FORMATS)),
+    st.integers(1, 5),
+    st.sampled_from([1, 3, 64, 256]),
+    st.sampled_from([0, 9]),
+    st.floats(1e-6, 1e3),
+    st.integers(0, 2**31 - 1),
+)
+def test_round_trip_within_documented_bound(kv_format, num_pages, page_size, page_gap, magnitude, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = min(num_pages * page_size, 40)
+    kv = torch.randn(n, 512, generator=gen) * magnitude
+    kv[:, :32] *= 1e-3  # blocks of tiny values next to large ones
+    kv_scale = magnitude / 50 if kv_format == "fp8" else 1.0  # no saturation below 22 sigma
+    if kv_format == "bf16":
+        kv = kv.bfloat16().float()
+    cache = new_cache(kv_format, num_pages, page_size, page_gap=page_gap)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:n].int()
+    write_kv(cache, slots, kv, kv_format, kv_scale)
+    back = read_kv(cache, slots, kv_format, kv_scale)
+    err = (back.double() - kv.double()).abs()
+    if kv_format == "bf16":
+        assert torch.equal(back, kv)
+    else:
+        assert torch.all(err <= bound(kv_format, kv, kv_scale) * (1 + 1e-6)), (err - bound(kv_format, kv, kv_scale)).max()
+    decode = oracle.slot_decoder(cache, kv_format, kv_scale)
+    want = np.stack([decode(int(s)) for s in slots])
+    np.testing.assert_allclose(back.double().numpy(), want, rtol=2.0**-23, atol=0)  # fp32 * kv_scale
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_ds_mla", "fp8_dsv41"])
+def test_ue8m0_scale_bytes(kv_format):
+    """Scale byte = ceil(log2(max(amax, 1e-4) / 448)) + 127, incl. exact powers of two."""
+    fmt = get_format(kv_format)
+    amaxes = [448.0, 449.0, 1.0, 1e-9, 3.5e-2, 2.0**-20 * 448]
+    kv = torch.zeros(len(amaxes), 512)
+    for i, a in enumerate(amaxes):
+        kv[i, : fmt.nope] = a * torch.linspace(-1, 1, fmt.nope).sign()
+    cache = new_cache(kv_format, 1, len(amaxes))
+    write_kv(cache, torch.arange(len(amaxes)), kv, kv_format)
+    page = cache.view(torch.uint8).reshape(-1)
+    for i, a in enumerate(amaxes):
+        at = len(amaxes) * fmt.data_bytes + i * fmt.scale_bytes
+        ratio = float(np.float32(max(a, 1e-4)) / np.float32(448))
+        assert page[at].item() == math.ceil(math.log2(ratio)) + 127
+
+
+@pytest.mark.parametrize("kv_format", sorted(KV_FORMATS))
+def test_write_skips_invalid_slots_and_touches_nothing_else(kv_format):
+    cache = new_cache(kv_format, 2, 4, page_gap=3)
+    pool = cache.untyped_storage()
+    before = torch.empty(0, dtype=torch.uint8).set_(pool).clone()
+    kv = torch.randn(4, 512)
+    write_kv(cache, torch.tensor([-1, 8, 100, 5], dtype=torch.int32), kv, kv_format)
+    after = torch.empty(0, dtype=torch.uint8).set_(pool)
+    changed = (after != before).nonzero().flatten()
+    fmt = get_format(kv_format)
+    elem = cache.element_size()
+    page_bytes = cache.stride(0) * elem
+    page1 = page_bytes  # slot 5 = page 1, offset 1
+    allowed = set(range(page1 + fmt.data_bytes, page1 + 2 * fmt.data_bytes))
+    if fmt.scale_bytes:
+        s0 = page1 + 4 * fmt.data_bytes + fmt.scale_bytes
+        allowed |= set(range(s0, s0 + fmt.scale_bytes))
+    assert changed.numel() > 0 and set(changed.tolist()) <= allowed
+    assert torch.equal(read_kv(cache, torch.tensor([-1, 8, 100]), kv_format), torch.zeros(3, 512))
+
+
+def test_bytes_per_token_matches_design():
+    assert {k: f.bytes_per_token for k, f in KV_FORMATS.items()} == {
+        "bf16": 1024,
+        "fp8": 512,
+        "fp8_ds_mla": 584,
+        "fp8_dsv41": 528,
+    }

@@ -1,0 +1,117 @@
+"""sparse_mla / sparse_mla_out (reference backend) against the float64 oracle."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import compile_ops
+from compile_ops.formats import KV_FORMATS, new_cache, write_kv
+
+import oracle
+
+EXAMPLES = 100
+
+
+def make_cache(gen, kv_format, num_pages, page_size, page_gap, kv_scale):
+    cache = new_cache(kv_format, num_pages, page_size, page_gap=page_gap)
+    n = num_pages * page_size
+    kv = torch.randn(n, 512, generator=gen) * torch.rand(n, 1, generator=gen).mul(3).add(0.05)
+    write_kv(cache, torch.arange(n, dtype=torch.int32), kv, kv_format, kv_scale)
+    return cache
+
+
+def make_indices(gen, T, width, n_slots):
+    """Slots with -1 holes, out-of-range values (negative and >= n_slots) and duplicates."""
+    idx = torch.randint(-2, n_slots + 3, (T, width), generator=gen, dtype=torch.int32)
+    lens = torch.randint(0, width + 1, (T,), generator=gen, dtype=torch.int32)
+    if width:
+        idx[:, -1] = idx[:, 0]
+    return idx, lens
+
+
+case = st.fixed_dictionaries(
+    {
+        "T": st.integers(1, 5),
+        "H": st.integers(1, 128),
+        "W": st.integers(0, 8),
+        "K": st.integers(0, 12),
+        "page_size": st.sampled_from([1, 2, 3, 16, 64, 256]),
+        "num_pages": st.integers(0, 3),
+        "page_gap": st.sampled_from([0, 5]),
+        "kv_format": st.sampled_from(sorted(KV_FORMATS)),
+        "sink": st.sampled_from(["none", "-inf", "finite"]),
+        "with_cmp": st.booleans(),
+        "seed": st.integers(0, 2**31 - 1),
+    }
+)
+
+
+def build(c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    kv_scale = 0.5 if c["kv_format"] == "fp8" else 1.0
+    swa_pages = max(1, min(c["num_pages"], 64 // c["page_size"] + 1))
+    swa_cache = make_cache(gen, c["kv_format"], swa_pages, c["page_size"], c["page_gap"], kv_scale)
+    swa_idx, swa_lens = make_indices(gen, c["T"], c["W"], swa_pages * c["page_size"])
+    cmp = (None, None, None)
+    if c["with_cmp"]:
+        cmp_pages = min(c["num_pages"], 64 // c["page_size"] + 1)
+        cmp_cache = make_cache(gen, c["kv_format"], cmp_pages, c["page_size"], 0, kv_scale)
+        cmp = (cmp_cache, *make_indices(gen, c["T"], c["K"], cmp_pages * c["page_size"]))
+    q = torch.randn(c["T"], c["H"], 512, generator=gen).to(torch.bfloat16)
+    sink = {
+        "none": None,
+        "-inf": torch.full((c["H"],), -math.inf),
+        "finite": torch.randn(c["H"], generator=gen) * 2,
+    }[c["sink"]]
+    sm_scale = float(torch.rand((), generator=gen) * 0.1 + 0.01)
+    return (q, swa_cache, swa_idx, swa_lens, *cmp, sink, sm_scale, c["kv_format"], kv_scale)
+
+
+def assert_matches_oracle(out, lse, args):
+    want_out, want_lse = oracle.sparse_mla(*args)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    got = out.double().numpy()
+    # bf16 output rounding (2**-8 relative) plus fp32 accumulation
+    tol = 2.0**-8 * np.abs(want_out) + 1e-5 * (np.abs(want_out).max() + 1)
+    assert np.all(np.abs(got - want_out) <= tol), np.abs(got - want_out).max()
+    got_lse = lse.double().numpy()
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    assert np.allclose(got_lse[finite], want_lse[finite], rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case)
+def test_sparse_mla_matches_float64_oracle(c):
+    args = build(c)
+    out, lse = compile_ops.sparse_mla(*args)
+    assert out.shape == (c["T"], c["H"], 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (c["T"], c["H"]) and lse.dtype == torch.float32
+    assert_matches_oracle(out, lse, args)
+
+
+@settings(max_examples=EXAMPLES // 4, deadline=None)
+@given(case)
+def test_sparse_mla_out_fills_caller_buffers(c):
+    args = build(c)
+    out = torch.full((c["T"], c["H"], 512), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((c["T"], c["H"]), float("nan"))
+    assert compile_ops.sparse_mla_out(*args, out, lse) is None
+    assert_matches_oracle(out, lse, args)
+
+
+@pytest.mark.parametrize("sink", [None, -math.inf, 0.7], ids=["no-sink", "sink=-inf", "sink=0.7"])
+def test_empty_rows(sink):
+    cache = new_cache("bf16", 1, 4)
+    q = torch.randn(2, 3, 512).bfloat16()
+    idx = torch.tensor([[0, 1], [-1, 9]], dtype=torch.int32)
+    lens = torch.tensor([0, 2], dtype=torch.int32)
+    sink_t = None if sink is None else torch.full((3,), sink)
+    out, lse = compile_ops.sparse_mla(q, cache, idx, lens, None, None, None, sink_t, 0.1)
+    assert torch.equal(out, torch.zeros_like(out))
+    want = -math.inf if sink is None else sink * math.log2(math.e)
+    assert torch.equal(lse, torch.full_like(lse, want))
