@@ -72,6 +72,9 @@ def _check_dcp_combine(out: Tensor, lse: Tensor, group_name: str, mode: str) -> 
 @torch.library.custom_op("dsv41::dcp_combine", mutates_args=())
 def dcp_combine(out: Tensor, lse: Tensor, group_name: str, mode: str = "ag_rs") -> tuple[Tensor, Tensor]:
     world = _check_dcp_combine(out, lse, group_name, mode)
+    name, _ = backends.resolve("combine", out.device)
+    if name in _DCP_COMBINE:
+        return _DCP_COMBINE[name](out, lse, group_name, world, mode)
     combine = dcp_combine_ag_rs if mode == "ag_rs" else dcp_combine_a2a
     return combine(out, lse, group_name, world)
 
@@ -83,6 +86,23 @@ def _(out, lse, group_name, mode="ag_rs"):
     return out.new_empty((T, H_all // world, D)), lse.new_empty((T, H_all // world))
 
 
+def _lse_combine_triton(partial_out: Tensor, partial_lse: Tensor) -> tuple[Tensor, Tensor]:
+    from compile_ops.combine.triton import lse_combine_triton  # first use: keeps triton out of import
+
+    return lse_combine_triton(partial_out, partial_lse)
+
+
+def _dcp_combine_triton(out: Tensor, lse: Tensor, group_name: str, world: int, mode: str):
+    from compile_ops.combine.triton import dcp_combine_triton
+
+    return dcp_combine_triton(out, lse, group_name, world, mode)
+
+
+# Backends of the "combine" family with their own dcp_combine; the others get the reference
+# collectives with their lse_combine.
+_DCP_COMBINE = {"triton": _dcp_combine_triton}
+
+backends.register_backend("combine", "triton", backends.cuda_with_triton, _lse_combine_triton)
 backends.register_backend("combine", "reference", backends.any_device, lse_combine_reference)
 
 lse_combine.__doc__ = """Merge ``N`` partial attention results by their base-2 LSEs.

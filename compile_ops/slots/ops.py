@@ -102,6 +102,30 @@ class _Reference:
     swa_indices = staticmethod(swa_indices_reference)
 
 
+class _Triton:
+    """The Triton kernels of :mod:`compile_ops.slots.triton`, imported on first use (so that
+    ``import compile_ops`` does not import triton)."""
+
+    @staticmethod
+    def topk_to_slots(*args):
+        from compile_ops.slots.triton import topk_to_slots_triton
+
+        return topk_to_slots_triton(*args)
+
+    @staticmethod
+    def dcp_topk_to_slots(*args):
+        from compile_ops.slots.triton import dcp_topk_to_slots_triton
+
+        return dcp_topk_to_slots_triton(*args)
+
+    @staticmethod
+    def swa_indices(*args):
+        from compile_ops.slots.triton import swa_indices_triton
+
+        return swa_indices_triton(*args)
+
+
+backends.register_backend("slots", "triton", backends.cuda_with_triton, _Triton)
 backends.register_backend("slots", "reference", backends.any_device, _Reference)
 
 topk_to_slots.__doc__ = """Convert request-local compressed top-k ids to compacted cache slots (DCP world 1).

@@ -1,0 +1,304 @@
+"""Triton sparse MLA: the CUDA fast path of ``dsv41::sparse_mla`` (tuned for Hopper).
+
+For token ``t`` and head ``h`` over the valid entries ``J`` of both segments (DESIGN 3.1)::
+
+    s_j      = sm_scale * <q[t,h], k_j> * log2(e)                      (base-2 logits)
+    out[t,h] = sum_j 2^s_j k_j / (sum_j 2^s_j + 2^(sink_h log2 e))     (value = key)
+    lse[t,h] = log2(sum_j 2^s_j + 2^(sink_h log2 e))
+
+How it is computed (sources of the technique):
+
+* One program owns one token and ``BH = 64`` of its heads, so the heads are the M dimension
+  of both matrix products and every gathered, dequantized KV row feeds 64 heads (MQA-style
+  MLA decode: FlashMLA's SM90 kernels; TileLang's ``examples/deepseek_v32/sparse_mla_fwd.py``
+  uses the same ``[heads, 512] x [512, block_I]`` tiling with ``block_I = 64``, 256 threads).
+* Keys are gathered ``BN`` rows at a time through the slot -> (page, offset) map, dequantized
+  in registers to bf16 (UE8M0 scale = exponent bits, so ``e4m3 * 2^e`` is exact in bf16),
+  and consumed twice: ``S = Q K^T`` and ``O += P K`` (FlashMLA's Hopper FP8 sparse-decoding
+  notes: dequantize to bf16 once per tile, MMA in bf16).
+* Online softmax in base 2 with a running max and sum (FlashAttention-2).
+* Small ``T``: the entries of a token are split over ``n_split`` programs whose partial
+  ``(o, lse)`` land in a static per-device scratch and are merged by LSE in a second kernel,
+  with the sink folded in as one more partial whose output is zero (flash-decoding split-K).
+  Split bounds are computed from ``swa_lens`` / ``cmp_lens`` inside the kernel: no host sync.
+
+Empty rows give ``out = 0`` and ``lse = sink * log2(e)`` (``-inf`` without sink); entries
+that are ``-1``, past ``lens`` or outside their cache are masked and never read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from compile_ops.formats import HEAD_DIM, get_format, num_slots
+
+LOG2E = 1.0 / math.log(2.0)
+# Under TRITON_INTERPRET=1 (CPU) tl.dot on bf16 operands returns garbage (DESIGN 8): upcast
+# the operands to fp32 there, and only there. Decided once, at import, like Triton itself.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+BH = 64  # heads per program: the M of both products (wgmma needs 64 rows per warpgroup)
+BN = 64  # gathered KV rows per step
+NUM_WARPS = 8
+NUM_STAGES = 2
+BH_COMBINE = 16
+# kv_format -> (FMT id, data elements per row, scale bytes per row)
+_FORMATS = {"bf16": (0, 512, 0), "fp8": (1, 512, 0), "fp8_ds_mla": (2, 576, 8), "fp8_dsv41": (3, 512, 16)}
+
+
+@triton.jit
+def _load_kv(p_row, p_scale, m_row, kv_scale, FMT: tl.constexpr, BN: tl.constexpr, ROPE_BYTES: tl.constexpr):
+    """Gathered keys ``[BN, 512]`` bf16: ``p_row`` / ``p_scale`` point at each row's data / scales."""
+    if FMT == 0 or FMT == 1:
+        o_d = tl.arange(0, 512)
+        # [BN, 512]
+        b_k = tl.load(p_row[:, None] + o_d[None, :], mask=m_row[:, None], other=0.0)
+        if FMT == 1:
+            b_k = (b_k.to(tl.float32) * kv_scale).to(tl.bfloat16)
+    else:
+        # NB blocks of BLK e4m3 values, one UE8M0 scale byte each; fp8_ds_mla's last block
+        # holds the 64 RoPE values as bf16 (bytes 448..575) instead.
+        NB: tl.constexpr = 8 if FMT == 2 else 16
+        BLK: tl.constexpr = 512 // NB
+        NQ: tl.constexpr = 7 if FMT == 2 else 16
+        o_c = tl.arange(0, NB)[None, :, None]
+        o_d = tl.arange(0, BLK)[None, None, :]
+        m_r = m_row[:, None, None]
+        m_q = m_r & (o_c < NQ)
+        # [BN, NB, BLK]
+        b_x = tl.load(p_row[:, None, None] + o_c * BLK + o_d, mask=m_q, other=0)
+        # [BN, NB, 1]; 2^(e-127) built from its exponent bits
+        b_e = tl.load(p_scale[:, None, None] + o_c, mask=m_q, other=127)
+        b_scale = (b_e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        b_k = b_x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_scale
+        if FMT == 2:
+            m_rope = m_r & (o_c == NQ) & (o_d >= 0)
+            if ROPE_BYTES:  # odd page stride: bf16 values are not 2-byte aligned
+                p_lo = p_row[:, None, None] + 448 + 2 * o_d + o_c * 0
+                b_lo = tl.load(p_lo, mask=m_rope, other=0).to(tl.uint16)
+                b_hi = tl.load(p_lo + 1, mask=m_rope, other=0).to(tl.uint16)
+                b_rope = ((b_hi << 8) | b_lo).to(tl.bfloat16, bitcast=True)
+            else:
+                p_rope = (p_row + 448).to(tl.pointer_type(tl.bfloat16))
+                b_rope = tl.load(p_rope[:, None, None] + o_d + o_c * 0, mask=m_rope, other=0.0)
+            b_k = tl.where(o_c == NQ, b_rope.to(tl.float32), b_k)
+        b_k = tl.reshape(b_k, (BN, 512)).to(tl.bfloat16)
+    return b_k
+
+
+@triton.jit(
+    do_not_specialize=[
+        "T", "H", "W", "K", "n_split", "has_sink", "s_swa_t", "s_cmp_t",
+        "swa_page", "swa_slots", "cmp_page", "cmp_slots",
+    ]
+)
+def _sparse_mla_kernel(
+    q, out, lse, part_o, part_lse, sink,
+    swa_kv, swa_idx, swa_len, cmp_kv, cmp_idx, cmp_len,
+    T, H, W, K, n_split, has_sink, qk_scale, kv_scale,
+    s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
+    swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
+    FMT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+    BH: tl.constexpr, BN: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr,
+):
+    i_th, i_s = tl.program_id(0), tl.program_id(1)
+    n_hb = tl.cdiv(H, BH)
+    i_t, i_hb = i_th // n_hb, i_th % n_hb
+    o_h = i_hb * BH + tl.arange(0, BH)
+    m_h = o_h < H
+    o_d = tl.arange(0, 512)
+    # [BH, 512]
+    b_q = tl.load(q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], mask=m_h[:, None], other=0.0)
+    if UPCAST:
+        b_q = b_q.to(tl.float32)
+
+    # blocks of BN columns: the SWA segment's first, then the compressed segment's
+    n_swa = tl.minimum(tl.maximum(tl.load(swa_len + i_t), 0), W)
+    n_cmp = tl.minimum(tl.maximum(tl.load(cmp_len + i_t), 0), K)
+    nb_swa = tl.cdiv(n_swa, BN)
+    nb = nb_swa + tl.cdiv(n_cmp, BN)
+    i_b0 = i_s * nb // n_split
+    i_b1 = (i_s + 1) * nb // n_split
+
+    b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BH], dtype=tl.float32)
+    b_acc = tl.zeros([BH, 512], dtype=tl.float32)
+    for i_b in range(i_b0, i_b1):
+        is_swa = i_b < nb_swa
+        o_n = tl.where(is_swa, i_b, i_b - nb_swa) * BN + tl.arange(0, BN)
+        p_idx = tl.where(is_swa, swa_idx + i_t * s_swa_t, cmp_idx + i_t * s_cmp_t)
+        s_n = tl.where(is_swa, s_swa_n, s_cmp_n)
+        n_len = tl.where(is_swa, n_swa, n_cmp)
+        n_slots = tl.where(is_swa, swa_slots, cmp_slots)
+        page = tl.where(is_swa, swa_page, cmp_page)
+        stride = tl.where(is_swa, swa_stride, cmp_stride)
+        kv = tl.where(is_swa, swa_kv, cmp_kv)
+        # [BN]
+        b_slot = tl.load(p_idx + o_n * s_n, mask=o_n < n_len, other=-1)
+        m_n = (b_slot >= 0) & (b_slot < n_slots)
+        b_slot = tl.where(m_n, b_slot, 0)
+        p_page = kv + (b_slot // page).to(tl.int64) * stride
+        b_off = b_slot % page
+        # [BN, 512]
+        b_k = _load_kv(p_page + b_off * DATA, p_page + page * DATA + b_off * SCALE, m_n, kv_scale, FMT, BN, ROPE_BYTES)
+        if UPCAST:
+            b_k = b_k.to(tl.float32)
+        # [BH, BN]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.math.exp2(b_s - b_m_use[:, None])
+        b_alpha = tl.math.exp2(b_m - b_m_use)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        if not UPCAST:
+            b_p = b_p.to(tl.bfloat16)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_k)
+        b_m = b_m_new
+
+    # this program's partial: normalised output and base-2 LSE (-inf when it saw nothing)
+    b_o = tl.where(b_l[:, None] > 0, b_acc / b_l[:, None], 0.0)
+    b_lse = tl.where(b_l > 0, tl.where(b_m == float("-inf"), 0.0, b_m) + tl.log2(b_l), float("-inf"))
+    if n_split == 1:
+        # fold the sink in: it is one more partial, with lse = sink * log2(e) and output 0
+        b_sink = tl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
+        b_max = tl.maximum(b_lse, b_sink)
+        b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
+        b_all = b_max + tl.log2(tl.math.exp2(b_lse - b_max) + tl.math.exp2(b_sink - b_max))
+        b_w = tl.where(b_all == float("-inf"), 0.0, tl.math.exp2(b_lse - b_all))
+        p_out = out + (i_t * H + o_h[:, None]) * 512 + o_d[None, :]
+        tl.store(p_out, (b_o * b_w[:, None]).to(tl.bfloat16), mask=m_h[:, None])
+        tl.store(lse + i_t * H + o_h, b_all, mask=m_h)
+    else:
+        o_row = (i_s * T + i_t) * H + o_h
+        tl.store(part_o + o_row[:, None] * 512 + o_d[None, :], b_o, mask=m_h[:, None])
+        tl.store(part_lse + o_row, b_lse, mask=m_h)
+
+
+@triton.jit(do_not_specialize=["T", "H", "n_split", "has_sink"])
+def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, BH: tl.constexpr):
+    """Merge ``n_split`` partials ``(o_r, L_r)`` and the sink: ``L = log2(sum 2^L_r + 2^sink)``."""
+    i_t, i_hb = tl.program_id(0), tl.program_id(1)
+    o_h = i_hb * BH + tl.arange(0, BH)
+    m_h = o_h < H
+    o_d = tl.arange(0, 512)
+    b_max = tl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
+    b_sink = b_max
+    for i_s in range(n_split):
+        b_max = tl.maximum(b_max, tl.load(part_lse + (i_s * T + i_t) * H + o_h, mask=m_h, other=float("-inf")))
+    b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_den = tl.math.exp2(b_sink - b_max)
+    # [BH, 512]
+    b_acc = tl.zeros([BH, 512], dtype=tl.float32)
+    for i_s in range(n_split):
+        o_row = (i_s * T + i_t) * H + o_h
+        b_w = tl.math.exp2(tl.load(part_lse + o_row, mask=m_h, other=float("-inf")) - b_max)
+        b_den += b_w
+        b_acc += b_w[:, None] * tl.load(part_o + o_row[:, None] * 512 + o_d[None, :], mask=m_h[:, None], other=0.0)
+    b_o = tl.where(b_den[:, None] > 0, b_acc / b_den[:, None], 0.0)
+    tl.store(out + (i_t * H + o_h[:, None]) * 512 + o_d[None, :], b_o.to(tl.bfloat16), mask=m_h[:, None])
+    tl.store(lse + i_t * H + o_h, b_max + tl.log2(b_den), mask=m_h)
+
+
+class _Scratch:
+    """Split-K partials of one device, allocated once at a fixed size, never grown.
+
+    ``n_split * T * H <= rows`` always holds, because splitting is only used while
+    ``T * ceil(H / BH) * n_split <= num_sms``; so ``rows = num_sms * BH``.
+    """
+
+    def __init__(self, device: torch.device):
+        if device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        else:  # the interpreter: a few "SMs" so that tests exercise the split path
+            self.num_sms = 8
+        self.rows = self.num_sms * BH
+        self.part_o = torch.empty(self.rows, HEAD_DIM, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(self.rows, dtype=torch.float32, device=device)
+
+
+_SCRATCH: dict[torch.device, _Scratch] = {}
+
+
+def scratch(device: torch.device) -> _Scratch:
+    """The device's split-K scratch (allocate it before CUDA-graph capture by calling once)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _SCRATCH:
+        _SCRATCH[device] = _Scratch(device)
+    return _SCRATCH[device]
+
+
+def choose_split(T: int, H: int, W: int, K: int, num_sms: int, rows: int) -> int:
+    """Programs per (token, head block): enough to fill ``num_sms``; 1 once ``T`` alone does."""
+    progs = T * triton.cdiv(H, BH)
+    blocks = triton.cdiv(W, BN) + triton.cdiv(K, BN)
+    n = min(blocks, num_sms // max(progs, 1), rows // max(T * H, 1))
+    return max(n, 1)
+
+
+def sparse_mla_triton(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_indices: torch.Tensor,
+    swa_lens: torch.Tensor,
+    cmp_cache: Optional[torch.Tensor],
+    cmp_indices: Optional[torch.Tensor],
+    cmp_lens: Optional[torch.Tensor],
+    sink: Optional[torch.Tensor],
+    sm_scale: float,
+    kv_format: str,
+    kv_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    n_split: Optional[int] = None,
+) -> None:
+    """Fill ``out [T, H, 512]`` bf16 and ``lse [T, H]`` fp32 (base 2); inputs already validated.
+
+    Same arguments as :func:`compile_ops.mla.reference.sparse_mla_reference`. ``n_split``
+    (keyword only, tests and benchmarks) overrides the split-K choice. Only shapes steer
+    the launch, so the call is CUDA-graph capturable once the scratch exists (first call).
+    """
+    T, H, _ = q.shape
+    if T == 0 or H == 0:
+        return
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    get_format(kv_format)
+    fmt, data, scale_bytes = _FORMATS[kv_format]
+    has_cmp = cmp_cache is not None
+    if not has_cmp:  # an empty second segment: K = 0, any valid pointers
+        cmp_cache, cmp_indices, cmp_lens = swa_cache, swa_indices[:, :0], swa_lens
+    W, K = swa_indices.shape[1], cmp_indices.shape[1]
+    buf = scratch(q.device)
+    if n_split is None:
+        n_split = choose_split(T, H, W, K, buf.num_sms, buf.rows)
+    n_split = max(1, min(int(n_split), buf.rows // (T * H)))
+    rope_bytes = fmt == 2 and any(
+        (c.stride(0) % 2) or (c.storage_offset() % 2) for c in (swa_cache, cmp_cache)
+    )
+    grid = (T * triton.cdiv(H, BH), n_split)
+    _sparse_mla_kernel[grid](
+        q, out, lse, buf.part_o, buf.part_lse, sink if sink is not None else lse,
+        swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens,
+        T, H, W, K, n_split, int(sink is not None), float(sm_scale) * LOG2E, float(kv_scale),
+        q.stride(0), q.stride(1), swa_indices.stride(0), swa_indices.stride(1),
+        cmp_indices.stride(0), cmp_indices.stride(1),
+        swa_cache.shape[1], swa_cache.stride(0), num_slots(swa_cache),
+        cmp_cache.shape[1], cmp_cache.stride(0), num_slots(cmp_cache),
+        FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=BN, ROPE_BYTES=bool(rope_bytes),
+        UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if n_split > 1:
+        _combine_kernel[(T, triton.cdiv(H, BH_COMBINE))](
+            buf.part_o, buf.part_lse, sink if sink is not None else lse, out, lse,
+            T, H, n_split, int(sink is not None), BH=BH_COMBINE, num_warps=4,
+        )

@@ -1,0 +1,215 @@
+"""``python -m compile_ops``: run every op on a backend and compare with float64 oracles.
+
+The oracles here are dense reformulations (attention over the whole cache weighted by how
+often each slot is selected, stable argsort compaction, logsumexp), not the per-entry
+gathers the reference uses, so the two agree only if both read DESIGN.md the same way.
+Prints one row per op: backend, shapes, max error, tolerance, verdict; exits 1 on a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import compile_ops
+from compile_ops.formats import KV_FORMATS, new_cache, read_kv, write_kv
+
+i32 = torch.int32
+
+
+@dataclass
+class Row:
+    op: str
+    backend: str
+    shapes: str
+    error: float
+    tolerance: float
+
+    @property
+    def verdict(self) -> str:
+        return "ok" if self.error <= self.tolerance else "FAIL"
+
+
+def _dense_attention(q, caches, index_sets, sink, sm_scale, kv_format, kv_scale):
+    """float64 attention over every slot of every cache, each weighted by its multiplicity."""
+    T, H, _ = q.shape
+    logits, values, counts = [], [], []
+    for cache, (indices, lens) in zip(caches, index_sets):
+        n = cache.shape[0] * cache.shape[1]
+        keys = read_kv(cache, torch.arange(n), kv_format, kv_scale).double()
+        valid = (torch.arange(indices.shape[1]) < lens[:, None]) & (indices >= 0) & (indices < n)
+        count = torch.zeros(T, n + 1, dtype=torch.float64)
+        count.scatter_add_(1, torch.where(valid, indices.long(), n), valid.double())
+        logits.append(torch.einsum("thd,nd->thn", q.double(), keys) * sm_scale)
+        values.append(keys)
+        counts.append(count[:, :n])
+    logit, value, count = torch.cat(logits, -1), torch.cat(values, 0), torch.cat(counts, -1)
+    weight = count[:, None, :] * torch.exp(logit)
+    total = weight.sum(-1)
+    if sink is not None:
+        total = total + torch.exp(sink.double())[None, :]
+    out = torch.nan_to_num(torch.einsum("thn,nd->thd", weight, value) / total[..., None])
+    return out, torch.log2(total)
+
+
+def check_sparse_mla(kv_format: str, gen: torch.Generator, device) -> Row:
+    T, H, W, K, page = 7, 64, 16, 48, 16
+    kv_scale = 0.25 if kv_format == "fp8" else 1.0
+    swa, cmp = new_cache(kv_format, 3, page, device=device), new_cache(kv_format, 5, page, page_gap=32, device=device)
+    for cache in (swa, cmp):
+        n = cache.shape[0] * cache.shape[1]
+        write_kv(cache, torch.arange(n, dtype=i32, device=device), torch.randn(n, 512, generator=gen).to(device), kv_format, kv_scale)
+    q = torch.randn(T, H, 512, generator=gen).bfloat16()
+    swa_idx = torch.randint(-1, 3 * page + 4, (T, W), generator=gen, dtype=i32)
+    cmp_idx = torch.randint(-1, 5 * page + 4, (T, K), generator=gen, dtype=i32)
+    swa_lens = torch.randint(0, W + 1, (T,), generator=gen, dtype=i32)
+    cmp_lens = torch.randint(0, K + 1, (T,), generator=gen, dtype=i32)
+    swa_lens[0] = cmp_lens[0] = 0  # an empty row
+    sink = torch.randn(H, generator=gen)
+    args = [q, swa, swa_idx, swa_lens, cmp, cmp_idx, cmp_lens, sink]
+    out, lse = compile_ops.sparse_mla(*[a.to(device) for a in args], 512**-0.5, kv_format, kv_scale)
+    want_out, want_lse = _dense_attention(
+        q, [swa.cpu(), cmp.cpu()], [(swa_idx, swa_lens), (cmp_idx, cmp_lens)], sink, 512**-0.5, kv_format, kv_scale
+    )
+    scale = want_out.abs().amax(-1, keepdim=True) + 1e-6
+    error = max(((out.cpu().double() - want_out).abs() / scale).max().item(), (lse.cpu().double() - want_lse).abs().max().item())
+    backend = compile_ops.backend_for("sparse_mla", device, kv_format)
+    # the reference rounds an fp32 result to bf16 once (2**-8 of the row's largest value);
+    # fast kernels also feed bf16 probabilities to the tensor cores
+    tolerance = 2.0**-8 + 1e-5 if backend == "reference" else 1e-2
+    return Row(f"sparse_mla[{kv_format}]", backend, f"T={T} H={H} W={W} K={K} page={page}", error, tolerance)
+
+
+def _compact_numpy(slots: np.ndarray, valid: np.ndarray):
+    order = np.argsort(~valid, axis=1, kind="stable")
+    packed = np.take_along_axis(np.where(valid, slots, -1), order, 1)
+    return packed, valid.sum(1)
+
+
+def _table_numpy(table, req, page_index, ok):
+    R, B = table.shape
+    safe = ok & (req >= 0) & (req < R) & (page_index >= 0) & (page_index < B)
+    page = np.where(safe, table[np.clip(req, 0, max(R - 1, 0)), np.clip(page_index, 0, max(B - 1, 0))], -1)
+    return page, safe & (page >= 0)
+
+
+def check_slots(gen: torch.Generator, device) -> list[Row]:
+    T, K, R, B, block = 64, 512, 4, 40, 64
+    topk = torch.randint(-1, B * block + 100, (T, K), generator=gen, dtype=i32)
+    req = torch.randint(0, R, (T,), generator=gen, dtype=i32)
+    table = torch.randint(-1, 1000, (R, B), generator=gen, dtype=i32)
+    is_valid = torch.rand(T, generator=gen) < 0.9
+    positions = torch.randint(-1, B * 16, (T,), generator=gen, dtype=i32)
+    dev = [x.to(device) for x in (topk, req, table, is_valid, positions)]
+    ids, r, tab, ok = topk.numpy().astype(np.int64), req.numpy()[:, None], table.numpy(), is_valid.numpy()[:, None]
+    rows = []
+    backend = compile_ops.backend_for("slots", device)
+
+    def row(name, got, want, shapes):
+        error = float(np.abs(got[0].cpu().numpy() - want[0]).max() + np.abs(got[1].cpu().numpy() - want[1]).max())
+        rows.append(Row(name, backend, shapes, error, 0.0))
+
+    page, valid = _table_numpy(tab, r, ids // block, ok & (ids >= 0))
+    want = _compact_numpy(page * block + ids % block, valid)
+    row("topk_to_slots", compile_ops.topk_to_slots(dev[0], dev[1], dev[2], block, dev[3]), want, f"T={T} K={K} R={R} B={B}")
+    world, rank, inter = 4, 1, 4
+    mine = (ids >= 0) & ((ids // inter) % world == rank)
+    local = (ids // (world * inter)) * inter + ids % inter
+    page, valid = _table_numpy(tab, r, local // block, ok & mine)
+    want = _compact_numpy(page * block + local % block, valid)
+    got = compile_ops.dcp_topk_to_slots(dev[0], dev[1], dev[2], block, dev[3], rank, world, inter)
+    row("dcp_topk_to_slots", got, want, f"T={T} K={K} world={world} I={inter}")
+    window, page_size = 128, 16
+    p = positions.numpy().astype(np.int64)[:, None]
+    lens = np.where(p >= 0, np.minimum(p + 1, window), 0)
+    x = p - lens + 1 + np.arange(window)
+    page, valid = _table_numpy(tab, r, x // page_size, np.arange(window) < lens)
+    want = (np.where(valid, page * page_size + x % page_size, -1), lens[:, 0])
+    row("swa_indices", compile_ops.swa_indices(dev[4], dev[1], dev[2], page_size, window), want, f"T={T} W={window}")
+    return rows
+
+
+def check_lse_combine(gen: torch.Generator, device) -> Row:
+    N, T, H, D = 4, 16, 32, 512
+    partial_out = torch.randn(N, T, H, D, generator=gen)
+    partial_lse = torch.randn(N, T, H, generator=gen) * 30
+    partial_lse[0, 0] = -math.inf
+    partial_lse[:, 1] = -math.inf
+    out, lse = compile_ops.lse_combine(partial_out.to(device), partial_lse.to(device))
+    want_lse = torch.logsumexp(partial_lse.double() * math.log(2), 0) / math.log(2)
+    weights = torch.nan_to_num(torch.exp2(partial_lse.double() - want_lse))
+    want_out = (weights[..., None] * partial_out.double()).sum(0)
+    finite = torch.isfinite(want_lse)
+    error = max(
+        (out.cpu().double() - want_out).abs().max().item(),
+        (lse.cpu().double()[finite] - want_lse[finite]).abs().max().item(),
+        float(not torch.equal(torch.isinf(lse.cpu()), ~finite)),
+    )
+    return Row("lse_combine", compile_ops.backend_for("combine", device), f"N={N} T={T} H={H} D={D}", error, 1e-5)
+
+
+def _dcp_worker(rank: int, world: int, store: str, result_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    gen = torch.Generator().manual_seed(0)
+    T, H_all, D = 8, 16, 512
+    outs = torch.randn(world, T, H_all, D, generator=gen)
+    lses = torch.randn(world, T, H_all, generator=gen) * 10
+    lses[1:, 0] = -math.inf
+    heads = slice(rank * H_all // world, (rank + 1) * H_all // world)
+    want_lse = torch.logsumexp(lses.double() * math.log(2), 0) / math.log(2)
+    want_out = (torch.exp2(lses.double() - want_lse)[..., None] * outs.double()).sum(0)
+    error = 0.0
+    for mode in ("ag_rs", "a2a"):
+        out, lse = compile_ops.dcp_combine(outs[rank], lses[rank], dist.group.WORLD.group_name, mode)
+        error = max(error, (out.double() - want_out[:, heads]).abs().max().item(), (lse.double() - want_lse[:, heads]).abs().max().item())
+    with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
+        f.write(repr(error))
+    dist.destroy_process_group()
+
+
+def check_dcp_combine(world: int = 2) -> Row:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_dcp_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world)
+        error = max(float(open(os.path.join(tmp, f"rank{r}")).read()) for r in range(world))
+    return Row("dcp_combine[ag_rs,a2a]", "gloo", f"world={world} T=8 H_all=16 D=512", error, 1e-5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m compile_ops", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="device to run the ops on (default: cpu)")
+    parser.add_argument("--backend", default="reference", help="backend for every op family, or 'auto' (default: reference)")
+    parser.add_argument("--no-dcp", action="store_true", help="skip the 2-process gloo dcp_combine check")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, combine=args.backend):
+        rows = [check_sparse_mla(f, gen, device) for f in KV_FORMATS]
+        rows += check_slots(gen, device)
+        rows.append(check_lse_combine(gen, device))
+        if not args.no_dcp:
+            rows.append(check_dcp_combine())
+    header = ("op", "backend", "shapes", "max error", "tolerance", "verdict")
+    table = [header] + [(r.op, r.backend, r.shapes, f"{r.error:.2e}", f"{r.tolerance:.1e}", r.verdict) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for i, line in enumerate(table):
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    failed = [r.op for r in rows if r.verdict != "ok"]
+    print(f"\n{len(rows) - len(failed)}/{len(rows)} ops match their float64 oracle" + (f"; FAILED: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

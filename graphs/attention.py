@@ -1,0 +1,317 @@
+"""The DeepSeek-V4 / V4.1 attention layer on the ``dsv41`` ops, one decode step per call.
+
+Shape legend: ``T`` tokens of the step (one per request), ``H`` query heads, ``R`` request
+rows, ``L`` compressed entries one request can hold (``max_seq_len // ratio``), ``K``
+top-k columns, ``D = 512`` head width (448 NoPE + 64 RoPE dims).
+
+Parameter names follow DeepSeek's reference ``inference/model.py`` (``wq_a``, ``q_norm``,
+``wq_b``, ``wkv``, ``kv_norm``, ``wo_a``, ``wo_b``, ``attn_sink``, ``compressor.{ape,
+wkv, wgate, norm}``, ``indexer.{wq_b, weights_proj, compressor.*}``), so the attention
+part of such a checkpoint's state dict loads with ``load_state_dict``. Caches, compressor
+state, index keys and the top-k buffer are non-persistent buffers.
+
+The step is graph-safe: every shape comes from ``x.shape[0]`` and the config, padding
+tokens (``is_valid == False``) write nothing that a valid token reads (cache writes go to
+slot ``-1``, state writes go to the spare request row ``R``), and nothing syncs with the
+host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
+from compile_ops.formats import get_format, new_cache
+from graphs.config import AttentionConfig, CacheConfig
+from graphs.metadata import StepInputs, step_inputs
+from graphs.rope import apply_rope, rope_tables, yarn_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` in fp32, returned in ``x``'s dtype."""
+
+    def __init__(self, dim: int, eps: float, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+
+
+def _rope_last(x: Tensor, rope_dim: int, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """``x`` with :func:`apply_rope` on its last ``rope_dim`` dims."""
+    nope = x.shape[-1] - rope_dim
+    return torch.cat([x[..., :nope], apply_rope(x[..., nope:], cos, sin, inverse)], dim=-1)
+
+
+class Compressor(nn.Module):
+    """Softmax-gated pooling of ``ratio`` consecutive tokens into one compressed entry.
+
+    Each token projects to ``kv = wkv(x)`` and gate logits ``wgate(x) + ape[pos % ratio]``
+    (fp32, per dim). When token ``pos`` closes its group (``(pos + 1) % ratio == 0``) the
+    entry is ``sum_i softmax_i(gate) * kv_i`` over the group, RMS-normalised, with RoPE at
+    the group's first position. An *overlapping* compressor (V4's ratio 4) projects twice
+    as wide: the first half of each token's projection joins the *next* group's pool, the
+    second half its own, so an entry pools ``2 * ratio`` tokens (the first group has no
+    predecessor).
+
+    State between steps: ``kv_state`` / ``score_state`` ``[R + 1, S, head_dim]`` fp32 per
+    request row (row ``R`` absorbs padding tokens). ``S = ratio`` slots of the open group;
+    overlapping: ``S = 3 * ratio`` = previous group's first halves, the open group's first
+    halves, the open group's second halves.
+    """
+
+    def __init__(self, cfg: AttentionConfig, ratio: int, head_dim: int, overlap: bool, rows: int, device=None) -> None:
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
+        self.rope_dim = cfg.rope_head_dim
+        width = (2 if overlap else 1) * head_dim
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32, device=device))
+        self.wkv = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device)
+        self.wgate = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps, device)
+        slots = (3 if overlap else 1) * ratio
+        self.register_buffer("kv_state", torch.zeros(rows + 1, slots, head_dim, device=device), persistent=False)
+        self.register_buffer("score_state", torch.zeros(rows + 1, slots, head_dim, device=device), persistent=False)
+
+    def forward(self, x: Tensor, pos: Tensor, row: Tensor, valid: Tensor, cos_table: Tensor, sin_table: Tensor):
+        """One step. ``x [T, dim]``; ``pos`` ``[T]`` int64 clamped to ``>= 0``; ``row [T]``
+        int64 state row (``R`` for padding). Returns ``(entry [T, head_dim]`` in ``x``'s
+        dtype, ``closing [T]`` bool): ``entry[t]`` is meaningful where ``closing[t]``."""
+        r, d = self.ratio, self.head_dim
+        slot = pos % r
+        xf = x.float()
+        kv = self.wkv(xf)
+        score = self.wgate(xf) + self.ape[slot]
+        kv_st, sc_st = self.kv_state[row], self.score_state[row]
+        closing = valid & ((pos + 1) % r == 0)
+        if not self.overlap:
+            hit = (torch.arange(r, device=x.device) == slot.unsqueeze(1)).unsqueeze(-1)
+            kv_st = torch.where(hit, kv.unsqueeze(1), kv_st)
+            sc_st = torch.where(hit, score.unsqueeze(1), sc_st)
+            pooled = (kv_st * sc_st.softmax(dim=1)).sum(dim=1)
+            new_kv, new_sc = kv_st, sc_st
+        else:
+            cols = torch.arange(3 * r, device=x.device)
+            hit_a = (cols == (r + slot).unsqueeze(1)).unsqueeze(-1)
+            hit_b = (cols == (2 * r + slot).unsqueeze(1)).unsqueeze(-1)
+            kv_st = torch.where(hit_a, kv[:, None, :d], torch.where(hit_b, kv[:, None, d:], kv_st))
+            sc_st = torch.where(hit_a, score[:, None, :d], torch.where(hit_b, score[:, None, d:], sc_st))
+            first_group = (pos < r).view(-1, 1, 1)
+            window_kv = torch.cat([kv_st[:, :r], kv_st[:, 2 * r :]], dim=1)
+            window_sc = torch.cat([sc_st[:, :r].masked_fill(first_group, float("-inf")), sc_st[:, 2 * r :]], dim=1)
+            pooled = (window_kv * window_sc.softmax(dim=1)).sum(dim=1)
+            shift = closing.view(-1, 1, 1)  # the open group's first halves feed the next entry
+            new_kv = torch.cat([torch.where(shift, kv_st[:, r : 2 * r], kv_st[:, :r]), kv_st[:, r:]], dim=1)
+            new_sc = torch.cat([torch.where(shift, sc_st[:, r : 2 * r], sc_st[:, :r]), sc_st[:, r:]], dim=1)
+        self.kv_state.index_put_((row,), new_kv)
+        self.score_state.index_put_((row,), new_sc)
+        entry = self.norm(pooled.to(x.dtype))
+        first = (pos + 1 - r).clamp(min=0)
+        entry = _rope_last(entry, self.rope_dim, cos_table[first], sin_table[first])
+        return entry, closing
+
+
+class Indexer(nn.Module):
+    """Top-k selection of compressed entries: ``score[t, c] = sum_h w_h(x_t) relu(<q_th, k_c>)``.
+
+    Index queries ``wq_b(qr) -> [T, Hi, Di]`` (RoPE on the last 64 dims), index keys from
+    the indexer's own :class:`Compressor` (``Di`` wide) kept in ``kv_cache [R + 1, L, Di]``
+    bf16 by request row and entry id, head weights ``weights_proj(x) / sqrt(Di * Hi)``.
+    Entries ``c >= seq_len // ratio`` (not yet closed) are masked; the ``K = min(topk, L)``
+    best ids come from ``torch.topk`` (highest first), ``-1`` where fewer exist.
+
+    DeepSeek's reference also applies a Hadamard rotation to both sides before an fp8/fp4
+    quantisation; the rotation is orthogonal, so without that quantisation it leaves the
+    scores unchanged and is omitted here.
+    """
+
+    def __init__(self, cfg: AttentionConfig, cache: CacheConfig, ratio: int, device=None) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.rope_head_dim
+        self.entries = cache.max_entries(ratio)
+        self.topk = min(cfg.index_topk, self.entries)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=torch.bfloat16, device=device)
+        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=torch.bfloat16, device=device)
+        self.compressor = Compressor(cfg, ratio, self.head_dim, cfg.overlaps(ratio), cache.max_requests, device)
+        keys = torch.zeros(cache.max_requests + 1, self.entries, self.head_dim, dtype=torch.bfloat16, device=device)
+        self.register_buffer("kv_cache", keys, persistent=False)
+
+    def forward(self, x, qr, pos, row, valid, n_entries, cos, sin, cos_table, sin_table) -> Tensor:
+        """Top-k request-local entry ids ``[T, K]`` int32 (``-1`` padded)."""
+        T = x.shape[0]
+        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
+        q = _rope_last(q, self.rope_dim, cos, sin)
+        key, closing = self.compressor(x, pos, row, valid, cos_table, sin_table)
+        entry = pos // self.ratio
+        write = closing & (entry < self.entries)
+        spare = self.kv_cache.shape[0] - 1
+        self.kv_cache.index_put_((torch.where(write, row, spare), torch.where(write, entry, 0)), key)
+        keys = self.kv_cache[row]  # [T, L, Di]
+        logits = torch.bmm(q, keys.transpose(1, 2))  # [T, Hi, L]
+        weights = self.weights_proj(x).float() * (self.head_dim * self.n_heads) ** -0.5
+        score = (logits.float().relu() * weights.unsqueeze(-1)).sum(dim=1)
+        exists = torch.arange(self.entries, device=x.device) < n_entries.unsqueeze(1)
+        score = score.masked_fill(~exists, float("-inf"))
+        best, ids = score.topk(self.topk, dim=-1)
+        return torch.where(best > float("-inf"), ids, -1).to(torch.int32)
+
+
+class DSV41Attention(nn.Module):
+    """DeepSeek-V4 / V4.1 sparse-MLA attention layer; ``forward`` is one decode step.
+
+    Args:
+        cfg: model dimensions (:data:`graphs.V41_FLASH`, :data:`graphs.TINY`, ...).
+        cache: serving geometry (request rows, longest sequence, pages, kv_format).
+        compress_ratio: 0 (SWA only) or one of ``cfg.compress_ratios``.
+        device: where parameters, caches and state live.
+        seed: weights are random-initialised from this seed (no downloads).
+
+    Buffers: ``swa_cache`` (paged by position) and ``cmp_cache`` (paged by compressed
+    entry), both ``[pages, page_size, row_width]`` in ``cache.kv_format``;
+    ``compressor.{kv,score}_state``; ``indexer.kv_cache``; ``topk_ids [max_tokens, K]``
+    (the last step's request-local compressed ids); ``rope_cos`` / ``rope_sin``.
+
+    Example::
+
+        >>> import torch
+        >>> from graphs import CacheConfig, DSV41Attention, StepMetadata, TINY
+        >>> layer = DSV41Attention(TINY, CacheConfig(4, 4, 32, 4), compress_ratio=2)
+        >>> meta = StepMetadata.for_layer(layer)
+        >>> meta.update(torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), bucket=2)
+        2
+        >>> y = layer(torch.randn(2, TINY.dim, dtype=torch.bfloat16), meta.inputs(2))
+        >>> y.shape
+        torch.Size([2, 64])
+    """
+
+    def __init__(self, cfg: AttentionConfig, cache: CacheConfig, compress_ratio: int, device=None, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg, self.cache_cfg = cfg, cache
+        self.compress_ratio = ratio = cfg.check_ratio(compress_ratio) if compress_ratio else 0
+        if ratio and cache.max_entries(ratio) < 1:
+            raise ValueError(f"max_seq_len ({cache.max_seq_len}) must be >= compress_ratio ({ratio})")
+        H, D, bf16 = cfg.n_heads, cfg.head_dim, torch.bfloat16
+        self.n_heads, self.head_dim, self.rope_dim = H, D, cfg.rope_head_dim
+        self.softmax_scale = D ** -0.5
+        self.kv_format, self.kv_scale = cache.kv_format, float(cache.kv_scale)
+
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))
+        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False, dtype=bf16, device=device)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False, dtype=bf16, device=device)
+        self.wkv = nn.Linear(cfg.dim, D, bias=False, dtype=bf16, device=device)
+        self.kv_norm = RMSNorm(D, cfg.norm_eps, device)
+        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=bf16, device=device)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False, dtype=bf16, device=device)
+        self.compressor = Compressor(cfg, ratio, D, cfg.overlaps(ratio), cache.max_requests, device) if ratio else None
+        self.indexer = Indexer(cfg, cache, ratio, device) if cfg.has_indexer(ratio) else None
+
+        if ratio:  # compressed layers use the compress theta with YaRN, SWA-only layers neither
+            inv = yarn_inv_freq(cfg.rope_head_dim, cache.max_seq_len, cfg.original_seq_len, cfg.compress_rope_theta,
+                                cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+        else:
+            inv = yarn_inv_freq(cfg.rope_head_dim, cache.max_seq_len, 0, cfg.rope_theta, 1.0, 0, 0)
+        cos, sin = rope_tables(inv, cache.max_seq_len)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        self.register_buffer(
+            "swa_cache", new_cache(cache.kv_format, cache.swa_num_pages(), cache.page_size, device=device), persistent=False
+        )
+        if ratio:
+            cmp_cache = new_cache(cache.kv_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
+            self.topk = self.indexer.topk if self.indexer is not None else cache.max_entries(ratio)
+        else:
+            cmp_cache, self.topk = None, 0
+        self.register_buffer("cmp_cache", cmp_cache, persistent=False)
+        self.register_buffer(
+            "topk_ids", torch.full((cache.max_tokens, self.topk), -1, dtype=torch.int32, device=device), persistent=False
+        )
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Random weights: linear ``N(0, 1/in)``, norms ``1 + N(0, 0.1^2)``, ``ape`` and
+        ``attn_sink`` ``N(0, 0.5^2)``; drawn on the CPU so every device gets the same."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in sorted(self.named_parameters()):
+            if name.endswith("norm.weight"):
+                value = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+            elif name.endswith("ape") or name == "attn_sink":
+                value = 0.5 * torch.randn(p.shape, generator=gen)
+            else:
+                value = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
+            p.copy_(value)
+
+    @torch.no_grad()
+    def reset_cache(self) -> None:
+        """Zero caches, compressor state, index keys and the top-k buffer."""
+        for name, buf in self.named_buffers():
+            if not name.startswith("rope_"):
+                buf.fill_(-1 if name == "topk_ids" else 0)
+
+    def step_inputs(self, positions, token_to_req, seq_lens, swa_block_table, cmp_block_table) -> StepInputs:
+        """:func:`graphs.step_inputs` with this layer's page sizes and ratio."""
+        c = self.cache_cfg
+        return step_inputs(positions, token_to_req, seq_lens, swa_block_table, cmp_block_table, c.page_size,
+                           c.block_size(self.compress_ratio), self.compress_ratio)
+
+    def forward(self, x: Tensor, inp: StepInputs) -> Tensor:
+        """One decode step: ``x [T, dim]`` bf16 -> ``[T, dim]`` bf16 (rows of padding
+        tokens hold garbage). Writes this step's kv (and closed compressed entries) into
+        the caches before attending, so a token sees itself."""
+        T, H, D, rd = x.shape[0], self.n_heads, self.head_dim, self.rope_dim
+        valid = inp.is_valid
+        pos = inp.positions.long().clamp(min=0)
+        row = torch.where(valid, inp.token_to_req.long(), self.cache_cfg.max_requests)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(T, H, D).float()
+        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
+        q = _rope_last(q, rd, cos, sin).to(x.dtype)
+        kv = _rope_last(self.kv_norm(self.wkv(x)), rd, cos, sin)
+        torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
+        swa_idx, swa_lens = torch.ops.dsv41.swa_indices(
+            inp.positions, inp.token_to_req, inp.swa_block_table, self.cache_cfg.page_size, self.cfg.window_size
+        )
+
+        cmp_idx: Optional[Tensor] = None
+        cmp_lens: Optional[Tensor] = None
+        if self.compress_ratio:
+            ratio = self.compress_ratio
+            entry, _ = self.compressor(x, pos, row, valid, self.rope_cos, self.rope_sin)
+            torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.kv_format, self.kv_scale)
+            n_entries = torch.where(valid, inp.seq_lens // ratio, 0)
+            if self.indexer is not None:
+                topk = self.indexer(x, qr, pos, row, valid, n_entries, cos, sin, self.rope_cos, self.rope_sin)
+            else:
+                ids = torch.arange(self.topk, device=x.device, dtype=torch.int32)
+                topk = torch.where(ids < n_entries.unsqueeze(1), ids, -1)
+            self.topk_ids[:T].copy_(topk)
+            cmp_idx, cmp_lens = torch.ops.dsv41.topk_to_slots(
+                self.topk_ids[:T], inp.token_to_req, inp.cmp_block_table, self.cache_cfg.block_size(ratio), valid
+            )
+
+        o, _ = torch.ops.dsv41.sparse_mla(
+            q, self.swa_cache, swa_idx, swa_lens, self.cmp_cache, cmp_idx, cmp_lens, self.attn_sink,
+            self.softmax_scale, self.kv_format, self.kv_scale,
+        )
+        o = _rope_last(o, rd, cos, sin, inverse=True)
+        groups = self.cfg.o_groups
+        wo_a = self.wo_a.weight.view(groups, self.cfg.o_lora_rank, -1)
+        o = torch.einsum("tgd,grd->tgr", o.view(T, groups, -1), wo_a)
+        return self.wo_b(o.flatten(1))
+
+    def extra_repr(self) -> str:
+        c = self.cache_cfg
+        return (f"{self.cfg.name}, compress_ratio={self.compress_ratio}, kv_format={c.kv_format!r}, "
+                f"requests={c.max_requests}, max_seq_len={c.max_seq_len}, page_size={c.page_size}")

@@ -1,0 +1,166 @@
+"""Configurations of the DeepSeek-V4 / V4.1 attention layer.
+
+Two objects describe a layer:
+
+* :class:`AttentionConfig` -- the model's dimensions (what a checkpoint fixes): hidden size,
+  heads, LoRA ranks, window, indexer, RoPE, which compress ratios use an overlapping pool
+  or no indexer.
+* :class:`CacheConfig` -- the serving geometry (what an engine chooses): how many request
+  rows and tokens a step may have, the longest sequence, page sizes and the KV format.
+
+Presets: :data:`V41_FLASH`, :data:`V4_FLASH`, :data:`V4_PRO` and :data:`TINY` (a test
+model small enough to compile on a CPU in seconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from compile_ops.formats import get_format
+
+HEAD_DIM = 512
+ROPE_DIM = 64
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Dimensions of one attention layer (names follow DeepSeek's reference ``ModelArgs``).
+
+    ``compress_ratios`` lists the ratios the model's layers use (0 = SWA only). A layer of
+    ratio ``r`` in ``overlap_ratios`` pools an overlapping window of ``2r`` tokens (V4's
+    ratio 4); a ratio in ``dense_ratios`` attends every compressed entry, without indexer
+    (V4's ratio 128).
+    """
+
+    name: str
+    dim: int
+    n_heads: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    window_size: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    compress_ratios: tuple[int, ...]
+    overlap_ratios: tuple[int, ...] = ()
+    dense_ratios: tuple[int, ...] = ()
+    head_dim: int = HEAD_DIM
+    rope_head_dim: int = ROPE_DIM
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: int = 32
+    beta_slow: int = 1
+
+    def __post_init__(self) -> None:
+        if self.head_dim != HEAD_DIM or self.rope_head_dim != ROPE_DIM:
+            raise ValueError(
+                f"head_dim / rope_head_dim must be {HEAD_DIM} / {ROPE_DIM} (the dsv41 ops' layout), "
+                f"got {self.head_dim} / {self.rope_head_dim}"
+            )
+        if self.n_heads % self.o_groups:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by o_groups ({self.o_groups})")
+        if self.index_head_dim < self.rope_head_dim:
+            raise ValueError(
+                f"index_head_dim ({self.index_head_dim}) must be >= rope_head_dim ({self.rope_head_dim})"
+            )
+
+    def check_ratio(self, ratio: int) -> int:
+        if ratio not in self.compress_ratios:
+            raise ValueError(f"compress_ratio must be one of {self.name}'s {self.compress_ratios}, got {ratio}")
+        return ratio
+
+    def has_indexer(self, ratio: int) -> bool:
+        return ratio > 0 and ratio not in self.dense_ratios
+
+    def overlaps(self, ratio: int) -> bool:
+        return ratio in self.overlap_ratios
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Serving geometry of one layer's caches and step buffers.
+
+    Args:
+        max_requests: request rows ``R`` (rows of the block tables and of the compressor
+            state).
+        max_tokens: largest step (the largest CUDA-graph bucket), one token per request.
+        max_seq_len: longest sequence; sizes the RoPE tables, the block tables and the
+            indexer's key buffer.
+        page_size: tokens per page of the SWA cache.
+        cmp_block_size: compressed entries per page of the compressed cache
+            (``None``: ``max(1, page_size // ratio)``, i.e. a page covers ``page_size``
+            tokens).
+        kv_format: format of both caches (``compile_ops.formats``).
+        kv_scale: per-tensor scale of the ``"fp8"`` format.
+        num_pages: pages of each cache (``None``: ``max_requests`` times the pages one
+            request needs, plus one spare so block tables can leave page 0 unused).
+    """
+
+    max_requests: int
+    max_tokens: int
+    max_seq_len: int
+    page_size: int
+    cmp_block_size: int | None = None
+    kv_format: str = "bf16"
+    kv_scale: float = 1.0
+    num_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_requests", "max_tokens", "max_seq_len", "page_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_tokens > self.max_requests:
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) must be <= max_requests ({self.max_requests}): "
+                "a decode step holds one token per request"
+            )
+        get_format(self.kv_format)
+
+    def block_size(self, ratio: int) -> int:
+        """Compressed entries per page for compress ratio ``ratio``."""
+        if self.cmp_block_size is not None:
+            return self.cmp_block_size
+        return max(1, self.page_size // max(ratio, 1))
+
+    def max_entries(self, ratio: int) -> int:
+        """Compressed entries one request can hold (``0`` for SWA-only layers)."""
+        return self.max_seq_len // ratio if ratio else 0
+
+    def swa_pages_per_request(self) -> int:
+        return -(-self.max_seq_len // self.page_size)
+
+    def cmp_pages_per_request(self, ratio: int) -> int:
+        return -(-self.max_entries(ratio) // self.block_size(ratio)) if ratio else 0
+
+    def swa_num_pages(self) -> int:
+        return self.num_pages or self.max_requests * self.swa_pages_per_request() + 1
+
+    def cmp_num_pages(self, ratio: int) -> int:
+        if not ratio:
+            return 0
+        return self.num_pages or self.max_requests * self.cmp_pages_per_request(ratio) + 1
+
+
+V41_FLASH = AttentionConfig(
+    name="V4.1-Flash", dim=5120, n_heads=64, q_lora_rank=1280, o_lora_rank=1024, o_groups=8,
+    window_size=128, index_n_heads=32, index_head_dim=128, index_topk=512, compress_ratios=(0, 1, 2),
+)
+V4_FLASH = AttentionConfig(
+    name="V4-Flash", dim=4096, n_heads=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8,
+    window_size=128, index_n_heads=64, index_head_dim=128, index_topk=512,
+    compress_ratios=(0, 4, 128), overlap_ratios=(4,), dense_ratios=(128,),
+)
+# V4-Pro: 128 heads and top-k 1024 per the design; hidden 7168, q_lora 1536 and 16 output
+# groups are assumptions (the V3-size trunk), adjust to the checkpoint's config.json.
+V4_PRO = replace(V4_FLASH, name="V4-Pro", dim=7168, n_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024)
+TINY = AttentionConfig(
+    name="tiny", dim=64, n_heads=4, q_lora_rank=32, o_lora_rank=32, o_groups=2,
+    window_size=8, index_n_heads=2, index_head_dim=64, index_topk=8,
+    compress_ratios=(0, 1, 2, 4, 128), overlap_ratios=(4,), dense_ratios=(128,),
+)
+PRESETS = {c.name: c for c in (V41_FLASH, V4_FLASH, V4_PRO, TINY)}

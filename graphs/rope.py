@@ -1,0 +1,51 @@
+"""Interleaved (GPT-J) rotary embedding with DeepSeek's YaRN frequency table.
+
+Dims ``2i`` and ``2i + 1`` of the rotated slice form pair ``i`` and turn by angle
+``position * freq[i]``. Tables are plain ``cos`` / ``sin`` buffers ``[max_seq_len, rope/2]``
+(no complex numbers, so Inductor fuses the rotation), looked up by position; padding
+tokens (position ``-1``) read row 0 and their results are never used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def yarn_inv_freq(dim: int, max_seq_len: int, original_seq_len: int, base: float, factor: float,
+                  beta_fast: int, beta_slow: int) -> torch.Tensor:
+    """Inverse frequencies ``[dim // 2]`` fp32; YaRN-interpolated when ``max_seq_len``
+    exceeds ``original_seq_len > 0`` (as DeepSeek's reference ``precompute_freqs_cis``)."""
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if original_seq_len > 0 and max_seq_len > original_seq_len:
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        inv = inv / factor * ramp + inv * (1 - ramp)
+    return inv.float()
+
+
+def rope_tables(inv_freq: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[max_seq_len, len(inv_freq)]`` fp32."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq.double())
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate ``x [T, ..., 2P]`` by per-token tables ``cos, sin [T, P]``; fp32 math, ``x``'s dtype out.
+
+    ``inverse=True`` turns the other way (undoes the rotation).
+    """
+    shape = x.shape
+    pairs = x.float().reshape(shape[0], -1, shape[-1] // 2, 2)
+    c = cos.view(shape[0], 1, -1)
+    s = sin.view(shape[0], 1, -1)
+    if inverse:
+        s = -s
+    even, odd = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1)
+    return out.reshape(shape).to(x.dtype)

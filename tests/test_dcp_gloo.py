@@ -1,0 +1,87 @@
+"""DCP over 2 gloo processes: sharded compressed KV + dcp_topk_to_slots + sparse_mla per rank
++ dcp_combine equals single-rank sparse_mla (DESIGN 3.4)."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import compile_ops
+from compile_ops.formats import new_cache, read_kv, write_kv
+
+pytestmark = pytest.mark.distributed
+
+i32 = torch.int32
+T, H_ALL, W, K, R = 6, 8, 5, 12, 2
+BLOCK, PAGES_PER_REQ = 4, 6  # compressed entries per page; pages per request row
+N_IDS = BLOCK * PAGES_PER_REQ  # request-local compressed ids 0..23
+
+
+def single_rank_problem(kv_format, seed):
+    """The DCP=1 problem: one compressed cache with every entry of both requests."""
+    gen = torch.Generator().manual_seed(seed)
+    cmp_cache = new_cache(kv_format, R * PAGES_PER_REQ, BLOCK)
+    cmp_table = torch.arange(R * PAGES_PER_REQ, dtype=i32).view(R, PAGES_PER_REQ).flip(1).contiguous()
+    write_kv(cmp_cache, torch.arange(R * N_IDS, dtype=i32), torch.randn(R * N_IDS, 512, generator=gen), kv_format)
+    swa_cache = new_cache(kv_format, 4, 8)
+    write_kv(swa_cache, torch.arange(32, dtype=i32), torch.randn(32, 512, generator=gen), kv_format)
+    q = torch.randn(T, H_ALL, 512, generator=gen).bfloat16()
+    token_to_req = torch.tensor([0, 1, 0, 1, 1, 0], dtype=i32)
+    topk = torch.randint(-1, N_IDS, (T, K), generator=gen, dtype=i32)
+    topk[1] = -1  # a token whose compressed segment is empty
+    is_valid = torch.tensor([True] * (T - 1) + [False])
+    swa_idx = torch.randint(0, 32, (T, W), generator=gen, dtype=i32)
+    swa_lens = torch.randint(0, W + 1, (T,), generator=gen, dtype=i32)
+    sink = torch.randn(H_ALL, generator=gen)
+    return q, swa_cache, swa_idx, swa_lens, cmp_cache, cmp_table, topk, token_to_req, is_valid, sink
+
+
+def shard(cmp_cache, cmp_table, kv_format, rank, world, interleave):
+    """This rank's compressed cache: its local ids of each request, in its own pages."""
+    local_cache = new_cache(kv_format, R * PAGES_PER_REQ, BLOCK)
+    local_table = torch.arange(R * PAGES_PER_REQ, dtype=i32).view(R, PAGES_PER_REQ)
+    for r in range(R):
+        for c in range(N_IDS):
+            if (c // interleave) % world != rank:
+                continue
+            local = (c // (world * interleave)) * interleave + c % interleave
+            src = int(cmp_table[r, c // BLOCK]) * BLOCK + c % BLOCK
+            dst = int(local_table[r, local // BLOCK]) * BLOCK + local % BLOCK
+            write_kv(local_cache, torch.tensor([dst]), read_kv(cmp_cache, torch.tensor([src]), kv_format), kv_format)
+    return local_cache, local_table
+
+
+def worker(rank, world, store_path, kv_format, interleave, mode):
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        q, swa_cache, swa_idx, swa_lens, cmp_cache, cmp_table, topk, token_to_req, is_valid, sink = single_rank_problem(kv_format, 7)
+        scale = 512**-0.5
+        cmp_idx, cmp_lens = compile_ops.topk_to_slots(topk, token_to_req, cmp_table, BLOCK, is_valid)
+        want_out, want_lse = compile_ops.sparse_mla(q, swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink, scale, kv_format)
+
+        local_cache, local_table = shard(cmp_cache, cmp_table, kv_format, rank, world, interleave)
+        slots, lens = compile_ops.dcp_topk_to_slots(topk, token_to_req, local_table, BLOCK, is_valid, rank, world, interleave)
+        own_swa = swa_lens if rank == 0 else torch.zeros_like(swa_lens)
+        out, lse = compile_ops.sparse_mla(
+            q, swa_cache, swa_idx, own_swa, local_cache, slots, lens, sink if rank == 0 else None, scale, kv_format
+        )
+        got_out, got_lse = compile_ops.dcp_combine(out, lse, dist.group.WORLD.group_name, mode)
+
+        heads = slice(rank * H_ALL // world, (rank + 1) * H_ALL // world)
+        assert got_out.shape == (T, H_ALL // world, 512) and got_lse.shape == (T, H_ALL // world)
+        # partials and the merged output are bf16: three roundings of 2**-8 relative
+        bound = 3 * 2**-8 * want_out[:, heads].float().abs().amax(-1, keepdim=True) + 1e-6
+        err = (got_out.float() - want_out[:, heads].float()).abs()
+        assert (err <= bound).all(), f"rank {rank}: max error {err.max().item()}"
+        torch.testing.assert_close(got_lse, want_lse[:, heads], rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ag_rs", "a2a"])
+@pytest.mark.parametrize("interleave", [1, 4], ids=["I=1", "I=4"])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_dsv41"])
+def test_dcp2_equals_single_rank(tmp_path, kv_format, interleave, mode):
+    mp.spawn(worker, args=(2, str(tmp_path / "store"), kv_format, interleave, mode), nprocs=2)
