@@ -22,7 +22,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import compile_ops  # noqa: F401  (registers torch.ops.dsv41)

@@ -105,7 +105,7 @@ def _sparse_mla_kernel(
     s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
     FMT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
-    BH: tl.constexpr, BN: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr,
+    BH: tl.constexpr, BN: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr, ITERS: tl.constexpr,
 ):
     i_th, i_s = tl.program_id(0), tl.program_id(1)
     n_hb = tl.cdiv(H, BH)
@@ -129,7 +129,13 @@ def _sparse_mla_kernel(
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
     b_acc = tl.zeros([BH, 512], dtype=tl.float32)
-    for i_b in range(i_b0, i_b1):
+    print("ITERS", type(ITERS), ITERS)
+    if ITERS > 0:  # the interpreter wants a Python int trip count; the tail is masked below
+        n_iter = ITERS
+    else:
+        n_iter = i_b1 - i_b0
+    for i_i in range(0, n_iter):
+        i_b = i_b0 + i_i
         is_swa = i_b < nb_swa
         o_n = tl.where(is_swa, i_b, i_b - nb_swa) * BN + tl.arange(0, BN)
         p_idx = tl.where(is_swa, swa_idx + i_t * s_swa_t, cmp_idx + i_t * s_cmp_t)
@@ -140,7 +146,7 @@ def _sparse_mla_kernel(
         stride = tl.where(is_swa, swa_stride, cmp_stride)
         kv = tl.where(is_swa, swa_kv, cmp_kv)
         # [BN]
-        b_slot = tl.load(p_idx + o_n * s_n, mask=o_n < n_len, other=-1)
+        b_slot = tl.load(p_idx + o_n * s_n, mask=(o_n < n_len) & (i_b < i_b1), other=-1)
         m_n = (b_slot >= 0) & (b_slot < n_slots)
         b_slot = tl.where(m_n, b_slot, 0)
         p_page = kv + (b_slot // page).to(tl.int64) * stride
@@ -182,7 +188,7 @@ def _sparse_mla_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "H", "n_split", "has_sink"])
-def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, BH: tl.constexpr):
+def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, BH: tl.constexpr, ITERS: tl.constexpr):
     """Merge ``n_split`` partials ``(o_r, L_r)`` and the sink: ``L = log2(sum 2^L_r + 2^sink)``."""
     i_t, i_hb = tl.program_id(0), tl.program_id(1)
     o_h = i_hb * BH + tl.arange(0, BH)
@@ -190,13 +196,17 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, B
     o_d = tl.arange(0, 512)
     b_max = tl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
     b_sink = b_max
-    for i_s in range(n_split):
+    if ITERS > 0:  # the interpreter wants a Python int trip count
+        n_iter = ITERS
+    else:
+        n_iter = n_split
+    for i_s in range(0, n_iter):
         b_max = tl.maximum(b_max, tl.load(part_lse + (i_s * T + i_t) * H + o_h, mask=m_h, other=float("-inf")))
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_den = tl.math.exp2(b_sink - b_max)
     # [BH, 512]
     b_acc = tl.zeros([BH, 512], dtype=tl.float32)
-    for i_s in range(n_split):
+    for i_s in range(0, n_iter):
         o_row = (i_s * T + i_t) * H + o_h
         b_w = tl.math.exp2(tl.load(part_lse + o_row, mask=m_h, other=float("-inf")) - b_max)
         b_den += b_w
@@ -295,10 +305,11 @@ def sparse_mla_triton(
         swa_cache.shape[1], swa_cache.stride(0), num_slots(swa_cache),
         cmp_cache.shape[1], cmp_cache.stride(0), num_slots(cmp_cache),
         FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=BN, ROPE_BYTES=bool(rope_bytes),
-        UPCAST=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        UPCAST=INTERPRET, ITERS=triton.cdiv(triton.cdiv(W, BN) + triton.cdiv(K, BN), n_split) + 1 if INTERPRET else 0,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if n_split > 1:
         _combine_kernel[(T, triton.cdiv(H, BH_COMBINE))](
             buf.part_o, buf.part_lse, sink if sink is not None else lse, out, lse,
-            T, H, n_split, int(sink is not None), BH=BH_COMBINE, num_warps=4,
+            T, H, n_split, int(sink is not None), BH=BH_COMBINE, ITERS=n_split if INTERPRET else 0, num_warps=4,
         )
