@@ -235,6 +235,7 @@ class DSV41Attention(nn.Module):
             "topk_ids", torch.full((cache.max_tokens, self.topk), -1, dtype=torch.int32, device=device), persistent=False
         )
         self.reset_parameters(seed)
+        self.requires_grad_(False)  # inference only: caches are written in place every step
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -307,8 +308,8 @@ class DSV41Attention(nn.Module):
         o = _rope_last(o, rd, cos, sin, inverse=True)
         groups = self.cfg.o_groups
         wo_a = self.wo_a.weight.view(groups, self.cfg.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o.view(T, groups, -1), wo_a)
-        return self.wo_b(o.flatten(1))
+        o = torch.matmul(o.view(T, groups, 1, -1), wo_a.transpose(1, 2))  # [T, G, 1, o_lora]
+        return self.wo_b(o.view(T, -1))
 
     def extra_repr(self) -> str:
         c = self.cache_cfg

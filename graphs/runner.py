@@ -15,6 +15,7 @@ get graphs: buffers are static inputs, so Inductor's CUDA-graph trees record the
 from __future__ import annotations
 
 import bisect
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -39,12 +40,28 @@ class DecodeStep(nn.Module):
         return self.layer(x, self.meta.inputs(x.shape[0]))
 
 
+def _size_oblivious():
+    """Dynamo specialises sizes 0 and 1; with ``backed_size_oblivious`` a dynamic token dim
+    stays symbolic at size 1 too, so one graph serves every bucket."""
+    try:
+        import torch.fx.experimental._config as fx_config
+
+        return fx_config.patch(backed_size_oblivious=True)
+    except (ImportError, AttributeError, KeyError):  # older torch: bucket 1 compiles once more
+        return contextlib.nullcontext()
+
+
 def mark_tokens_dynamic(x: Tensor) -> Tensor:
-    """Mark ``x``'s token dim dynamic so one compiled graph serves every bucket ``>= 2``
-    (size 1 is specialised by Dynamo and compiles once more)."""
-    if x.shape[0] >= 2:
-        torch._dynamo.mark_dynamic(x, 0)
+    """Mark ``x``'s token dim dynamic (call :func:`compiled_call` to run it)."""
+    torch._dynamo.mark_dynamic(x, 0)
     return x
+
+
+def compiled_call(fn: Callable, x: Tensor) -> Tensor:
+    """``fn(x)`` with ``x``'s token dim dynamic and size-1 kept symbolic: one Dynamo graph
+    (one compile) for every bucket."""
+    with _size_oblivious():
+        return fn(mark_tokens_dynamic(x))
 
 
 class DecodeRunner:
@@ -90,6 +107,7 @@ class DecodeRunner:
         self.layer = layer
         self.meta = meta if meta is not None else StepMetadata.for_layer(layer, self.buckets[-1])
         self.module = DecodeStep(layer, self.meta)
+        self.compiled = compile
         self.fn = torch.compile(self.module, fullgraph=True, backend=backend) if compile else self.module
         device = layer.swa_cache.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -106,7 +124,8 @@ class DecodeRunner:
 
     def run(self, bucket: int) -> Tensor:
         """Run the (compiled) step on the first ``bucket`` rows of the static input."""
-        return self.fn(mark_tokens_dynamic(self.x[:bucket]))
+        x = self.x[:bucket]
+        return compiled_call(self.fn, x) if self.compiled else self.fn(x)
 
     @torch.no_grad()
     def capture(self, warmup: int = 2) -> None:

@@ -183,6 +183,7 @@ def worker(rank: int, world: int, store_path: str, backend: str, plan: list, log
         lines.append(f"[rank {rank}] {msg}")
         print(lines[-1], flush=True)
 
+    torch._dynamo.config.recompile_limit = 64  # one compile per (T, interleave, mode)
     try:
         group_name = dist.group.WORLD.group_name
         compiled = None
@@ -195,7 +196,9 @@ def worker(rank: int, world: int, store_path: str, backend: str, plan: list, log
                 with compile_ops.use_backends(slots="reference", combine="reference"):
                     run_eager(case, mode, dcp_sparse_mla, f"{tag} eager (reference slots+combine)", log)
             if "compile" in variants:
-                compiled = compiled or torch.compile(dcp_sparse_mla, fullgraph=True)
+                # static shapes: with automatic dynamic shapes a changed interleave would reach
+                # the ops' fake kernels as a SymInt, which compile_ops._checks.check_int rejects
+                compiled = compiled or torch.compile(dcp_sparse_mla, fullgraph=True, dynamic=False)
                 run_eager(case, mode, compiled, f"{tag} compiled", log, seed=5)
             if "graph" in variants:
                 run_graph(case, mode, f"{tag} graph", log)
@@ -223,7 +226,9 @@ def gpu_plan() -> list:
         shape = Shape(T=T, H=32, W=128, K=512, R=min(T, 4), n_cmp=2048, block_size=64, page_size=64, swa_pages=8)
         for interleave in (1, 4):
             for mode in ("ag_rs", "a2a"):
-                variants = ["eager", "compile", "graph"]
+                variants = ["eager", "graph"]
+                if (interleave, mode) in ((1, "ag_rs"), (4, "a2a")):
+                    variants.append("compile")
                 if T == 64 and interleave == 1:
                     variants += ["eager_reference", "graph_reference"]
                 plan.append((shape, interleave, mode, variants))

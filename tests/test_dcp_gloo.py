@@ -11,6 +11,8 @@ import torch.multiprocessing as mp
 import compile_ops
 from compile_ops.formats import new_cache, read_kv, write_kv
 
+import oracle
+
 pytestmark = pytest.mark.distributed
 
 i32 = torch.int32
@@ -53,6 +55,19 @@ def shard(cmp_cache, cmp_table, kv_format, rank, world, interleave):
     return local_cache, local_table
 
 
+def check_combine_against_oracle(rank, world, mode):
+    """dcp_combine alone, fp32 partials with empty (-inf) shards, vs the float64 oracle."""
+    gen = torch.Generator().manual_seed(11)
+    outs = torch.randn(world, T, H_ALL, 64, generator=gen)
+    lses = torch.randn(world, T, H_ALL, generator=gen) * 8
+    lses[torch.rand(world, T, H_ALL, generator=gen) < 0.3] = -math.inf
+    got_out, got_lse = compile_ops.dcp_combine(outs[rank], lses[rank], dist.group.WORLD.group_name, mode)
+    want_out, want_lse = oracle.lse_combine(outs, lses)
+    heads = slice(rank * H_ALL // world, (rank + 1) * H_ALL // world)
+    torch.testing.assert_close(got_out.double(), torch.from_numpy(want_out[:, heads]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse.double(), torch.from_numpy(want_lse[:, heads]), rtol=1e-6, atol=1e-5)
+
+
 def worker(rank, world, store_path, kv_format, interleave, mode):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
@@ -76,6 +91,7 @@ def worker(rank, world, store_path, kv_format, interleave, mode):
         err = (got_out.float() - want_out[:, heads].float()).abs()
         assert (err <= bound).all(), f"rank {rank}: max error {err.max().item()}"
         torch.testing.assert_close(got_lse, want_lse[:, heads], rtol=1e-5, atol=1e-5)
+        check_combine_against_oracle(rank, world, mode)
     finally:
         dist.destroy_process_group()
 

@@ -78,16 +78,17 @@ def _load_kv(p_row, p_scale, m_row, kv_scale, FMT: tl.constexpr, BN: tl.constexp
         b_scale = (b_e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         b_k = b_x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_scale
         if FMT == 2:
-            m_rope = m_r & (o_c == NQ) & (o_d >= 0)
-            if ROPE_BYTES:  # odd page stride: bf16 values are not 2-byte aligned
-                p_lo = p_row[:, None, None] + 448 + 2 * o_d + o_c * 0
-                b_lo = tl.load(p_lo, mask=m_rope, other=0).to(tl.uint16)
-                b_hi = tl.load(p_lo + 1, mask=m_rope, other=0).to(tl.uint16)
+            o_r = tl.arange(0, BLK)
+            if ROPE_BYTES:  # odd page stride: the bf16 values are not 2-byte aligned
+                p_lo = p_row[:, None] + 448 + 2 * o_r[None, :]
+                b_lo = tl.load(p_lo, mask=m_row[:, None], other=0).to(tl.uint16)
+                b_hi = tl.load(p_lo + 1, mask=m_row[:, None], other=0).to(tl.uint16)
                 b_rope = ((b_hi << 8) | b_lo).to(tl.bfloat16, bitcast=True)
             else:
                 p_rope = (p_row + 448).to(tl.pointer_type(tl.bfloat16))
-                b_rope = tl.load(p_rope[:, None, None] + o_d + o_c * 0, mask=m_rope, other=0.0)
-            b_k = tl.where(o_c == NQ, b_rope.to(tl.float32), b_k)
+                # [BN, 64]
+                b_rope = tl.load(p_rope[:, None] + o_r[None, :], mask=m_row[:, None], other=0.0)
+            b_k = tl.where(o_c == NQ, b_rope.to(tl.float32)[:, None, :], b_k)
         b_k = tl.reshape(b_k, (BN, 512)).to(tl.bfloat16)
     return b_k
 
@@ -129,12 +130,8 @@ def _sparse_mla_kernel(
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
     b_acc = tl.zeros([BH, 512], dtype=tl.float32)
-    print("ITERS", type(ITERS), ITERS)
-    if ITERS > 0:  # the interpreter wants a Python int trip count; the tail is masked below
-        n_iter = ITERS
-    else:
-        n_iter = i_b1 - i_b0
-    for i_i in range(0, n_iter):
+    # the interpreter wants a Python int trip count (ITERS); the tail is masked below
+    for i_i in range(0, ITERS if ITERS > 0 else i_b1 - i_b0):
         i_b = i_b0 + i_i
         is_swa = i_b < nb_swa
         o_n = tl.where(is_swa, i_b, i_b - nb_swa) * BN + tl.arange(0, BN)
@@ -196,17 +193,13 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, B
     o_d = tl.arange(0, 512)
     b_max = tl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
     b_sink = b_max
-    if ITERS > 0:  # the interpreter wants a Python int trip count
-        n_iter = ITERS
-    else:
-        n_iter = n_split
-    for i_s in range(0, n_iter):
+    for i_s in range(0, ITERS if ITERS > 0 else n_split):  # ITERS: the interpreter's trip count
         b_max = tl.maximum(b_max, tl.load(part_lse + (i_s * T + i_t) * H + o_h, mask=m_h, other=float("-inf")))
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_den = tl.math.exp2(b_sink - b_max)
     # [BH, 512]
     b_acc = tl.zeros([BH, 512], dtype=tl.float32)
-    for i_s in range(0, n_iter):
+    for i_s in range(0, ITERS if ITERS > 0 else n_split):
         o_row = (i_s * T + i_t) * H + o_h
         b_w = tl.math.exp2(tl.load(part_lse + o_row, mask=m_h, other=float("-inf")) - b_max)
         b_den += b_w

@@ -1,0 +1,109 @@
+"""Plain-torch meaning of :class:`graphs.DSV41Attention` for one request, from full history.
+
+No caches, pages, slots, state buffers or padding: every quantity is recomputed from all
+of the request's hidden states in fp32, the way a prefill would see it. Tests run the
+decode module step by step and compare each step's output with :func:`naive_outputs`;
+the indexer's choice is checked against :func:`naive_index_scores`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from graphs.attention import DSV41Attention
+from graphs.rope import apply_rope
+
+
+def _linear(x: Tensor, layer: torch.nn.Linear) -> Tensor:
+    return x.float() @ layer.weight.float().t()
+
+
+def _rms(x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.float()
+
+
+def _rope(x: Tensor, positions: Tensor, layer: DSV41Attention, inverse: bool = False) -> Tensor:
+    rd = layer.rope_dim
+    cos, sin = layer.rope_cos[positions], layer.rope_sin[positions]
+    return torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos, sin, inverse)], dim=-1)
+
+
+def naive_entries(compressor, layer: DSV41Attention, xs: Tensor) -> Tensor:
+    """Compressed entries ``[S // ratio, head_dim]`` of a request whose hidden states at
+    positions ``0 .. S-1`` are ``xs [S, dim]``."""
+    r, d = compressor.ratio, compressor.head_dim
+    groups = xs.shape[0] // r
+    pos = torch.arange(groups * r, device=xs.device)
+    kv = _linear(xs[: groups * r], compressor.wkv)
+    score = _linear(xs[: groups * r], compressor.wgate) + compressor.ape.float()[pos % r]
+    entries = []
+    for g in range(groups):
+        own = slice(g * r, (g + 1) * r)
+        if compressor.overlap:
+            prev = slice((g - 1) * r, g * r) if g > 0 else slice(0, 0)
+            window_kv = torch.cat([kv[prev, :d], kv[own, d:]])
+            window_sc = torch.cat([score[prev, :d], score[own, d:]])
+        else:
+            window_kv, window_sc = kv[own], score[own]
+        entries.append((window_kv * window_sc.softmax(dim=0)).sum(dim=0))
+    if not entries:
+        return xs.new_zeros(0, d, dtype=torch.float32)
+    out = _rms(torch.stack(entries), compressor.norm.weight, layer.cfg.norm_eps)
+    return _rope(out, torch.arange(groups, device=xs.device) * r, layer)
+
+
+def naive_index_scores(layer: DSV41Attention, xs: Tensor) -> Tensor:
+    """Indexer scores ``[S, S // ratio]`` of each position against every entry that
+    exists there (``-inf`` for entries not yet closed)."""
+    idx, cfg = layer.indexer, layer.cfg
+    S = xs.shape[0]
+    pos = torch.arange(S, device=xs.device)
+    qr = _rms(_linear(xs, layer.wq_a), layer.q_norm.weight, cfg.norm_eps)
+    q = _rope(_linear(qr, idx.wq_b).view(S, idx.n_heads, idx.head_dim), pos, layer)
+    keys = naive_entries(idx.compressor, layer, xs)
+    weights = _linear(xs, idx.weights_proj) * (idx.head_dim * idx.n_heads) ** -0.5
+    score = (torch.einsum("shd,cd->shc", q, keys).relu() * weights.unsqueeze(-1)).sum(dim=1)
+    exists = torch.arange(keys.shape[0], device=xs.device) < ((pos + 1) // layer.compress_ratio).unsqueeze(1)
+    return score.masked_fill(~exists, float("-inf"))
+
+
+def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[Sequence[int]]] = None) -> Tensor:
+    """Outputs ``[S, dim]`` fp32 of one request's tokens at positions ``0 .. S-1``.
+
+    ``chosen[p]`` lists the compressed entry ids position ``p`` attends (default: the
+    indexer's top-k by :func:`naive_index_scores`, or every existing entry for a layer
+    without indexer).
+    """
+    cfg, r = layer.cfg, layer.compress_ratio
+    S, H, D = xs.shape[0], layer.n_heads, layer.head_dim
+    pos = torch.arange(S, device=xs.device)
+    qr = _rms(_linear(xs, layer.wq_a), layer.q_norm.weight, cfg.norm_eps)
+    q = _rms(_linear(qr, layer.wq_b).view(S, H, D), None, cfg.norm_eps)
+    q = _rope(q, pos, layer)
+    kv = _rope(_rms(_linear(xs, layer.wkv), layer.kv_norm.weight, cfg.norm_eps), pos, layer)
+    entries = naive_entries(layer.compressor, layer, xs) if r else None
+    if r and chosen is None:
+        if layer.indexer is not None:
+            scores = naive_index_scores(layer, xs)
+            k = min(layer.indexer.topk, scores.shape[1])
+            chosen = [[c for c in scores[p].topk(k).indices.tolist() if scores[p, c] > float("-inf")] for p in range(S)]
+        else:
+            chosen = [list(range((p + 1) // r)) for p in range(S)]
+    sink = layer.attn_sink.float()
+    outs = []
+    for p in range(S):
+        keys = kv[max(0, p - cfg.window_size + 1) : p + 1]
+        if r and len(chosen[p]):
+            keys = torch.cat([keys, entries[torch.tensor(list(chosen[p]), dtype=torch.long, device=xs.device)]])
+        logits = torch.einsum("hd,nd->hn", q[p], keys) * layer.softmax_scale
+        full = torch.cat([logits, sink.unsqueeze(1)], dim=1).softmax(dim=1)
+        outs.append(full[:, :-1] @ keys)
+    o = _rope(torch.stack(outs), pos, layer, inverse=True)
+    G = cfg.o_groups
+    wo_a = layer.wo_a.weight.float().view(G, cfg.o_lora_rank, -1)
+    o = torch.einsum("sgd,grd->sgr", o.view(S, G, -1), wo_a).reshape(S, -1)
+    return o @ layer.wo_b.weight.float().t()
