@@ -99,6 +99,7 @@ class StepMetadata(nn.Module):
         >>> layer = DSV41Attention(TINY, CacheConfig(4, 4, 32, 4), compress_ratio=2)
         >>> meta = StepMetadata.for_layer(layer)
         >>> meta.update(torch.tensor([5, 0], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), bucket=4)
+        2
         >>> meta.positions.tolist()
         [5, 0, -1, -1]
     """
@@ -184,6 +185,9 @@ class StepMetadata(nn.Module):
         """:class:`StepInputs` of the first ``num_tokens`` columns; writes the slot mappings
         into ``swa_slots`` / ``cmp_slots`` (runs inside the compiled step)."""
         T = num_tokens
+        # Tell the compiler the slices below are exactly T long (not min(T, max_tokens)),
+        # so a dynamic T needs no guards relating the two.
+        torch._check(T <= self.max_tokens)
         inp = step_inputs(
             self.ints[0, :T], self.ints[1, :T], self.ints[2, :T], self.swa_block_table, self.cmp_block_table,
             self.page_size, self.cmp_block_size, self.compress_ratio,

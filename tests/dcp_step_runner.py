@@ -186,6 +186,7 @@ def worker(rank: int, world: int, store_path: str, backend: str, plan: list, log
     torch._dynamo.config.recompile_limit = 64  # one compile per (T, interleave, mode)
     try:
         group_name = dist.group.WORLD.group_name
+        log("backends: " + ", ".join(f"{f}={compile_ops.backend_for(f, device, 'bf16')}" for f in ("sparse_mla", "slots", "combine")))
         compiled = None
         for shape, interleave, mode, variants in plan:
             case = Case(shape, rank, world, interleave, group_name, device)
@@ -219,13 +220,13 @@ def launch(world: int, backend: str, plan: list, log_path: str | None = None) ->
         mp.spawn(worker, args=(world, os.path.join(tmp, "store"), backend, plan, log_path), nprocs=world)
 
 
-def gpu_plan() -> list:
+def gpu_plan(tokens=(1, 8, 64, 512), modes=("ag_rs", "a2a")) -> list:
     """The NCCL proof: interleave 1 and 4, T in {1, 8, 64, 512}, both modes."""
     plan = []
-    for T in (1, 8, 64, 512):
+    for T in tokens:
         shape = Shape(T=T, H=32, W=128, K=512, R=min(T, 4), n_cmp=2048, block_size=64, page_size=64, swa_pages=8)
         for interleave in (1, 4):
-            for mode in ("ag_rs", "a2a"):
+            for mode in modes:
                 variants = ["eager", "graph"]
                 if (interleave, mode) in ((1, "ag_rs"), (4, "a2a")):
                     variants.append("compile")
@@ -239,6 +240,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--log", default=None, help="write each rank's lines to LOG.rank<r>")
+    parser.add_argument("--tokens", default="1,8,64,512", help="comma-separated T values")
+    parser.add_argument("--modes", default="ag_rs,a2a")
     args = parser.parse_args()
-    launch(args.world, "nccl", gpu_plan(), args.log)
+    plan = gpu_plan(tuple(int(t) for t in args.tokens.split(",")), tuple(args.modes.split(",")))
+    launch(args.world, "nccl", plan, args.log)
     sys.exit(0)

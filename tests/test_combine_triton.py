@@ -129,3 +129,11 @@ def test_combine_dispatch_and_large_gpu():
     want = torch.where(weights[1].unsqueeze(-1) > 0, outs[1].float() * weights[1].unsqueeze(-1), 0.0)
     torch.testing.assert_close(scaled.float(), want.view(512, 2, 64, 512).transpose(0, 1).bfloat16().float(), atol=1e-3, rtol=2**-7)
     torch.testing.assert_close(mine, merged.view(512, 2, 64)[:, 1], atol=1e-5, rtol=1e-5)
+
+
+def test_dcp_rescale_rejects_wrong_gathered_shape():
+    out, lse = partials(1, 3, 8, 16, torch.float32, seed=0, special=False)
+    with pytest.raises(ValueError, match="gathered_lse must be"):
+        dcp_rescale_triton(out[0], torch.cat([lse[0]] * 2), 0)  # [N*T, H_all]: not all-gather's [N, T, H_all]
+    with pytest.raises(ValueError, match="rank must be"):
+        dcp_rescale_triton(out[0], torch.stack([lse[0]] * 2), 2)

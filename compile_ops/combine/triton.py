@@ -100,6 +100,28 @@ def _dcp_rescale_kernel(
     tl.store(mine_ptr + i_t * H + i_h, b_lse, mask=i_s == rank)
 
 
+@triton.jit
+def _a2a_pack_kernel(
+    out_ptr, s_ot, s_oh, s_od,
+    lse_ptr, s_lt, s_lh,
+    po_ptr, s_pn, s_pt, s_ph,
+    pl_ptr, s_qn, s_qt,
+    H_all, H, D,
+    BLOCK_D: tl.constexpr, D_CHUNKS: tl.constexpr,
+):
+    i_tg = tl.program_id(0).to(tl.int64)
+    i_t, i_g = i_tg // H_all, i_tg % H_all
+    i_s, i_h = i_g // H, i_g % H  # destination rank and its head
+    for i_c in range(D_CHUNKS):
+        o_d = i_c * BLOCK_D + tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        # [BLOCK_D]
+        b_o = tl.load(out_ptr + i_t * s_ot + i_g * s_oh + o_d * s_od, mask=m_d)
+        tl.store(po_ptr + i_s * s_pn + i_t * s_pt + i_h * s_ph + o_d, b_o, mask=m_d)
+    b_l = tl.load(lse_ptr + i_t * s_lt + i_g * s_lh)
+    tl.store(pl_ptr + i_s * s_qn + i_t * s_qt + i_h, b_l)
+
+
 def _tiles(N: int, D: int, tile: int) -> tuple[int, int, int]:
     """``BLOCK_N`` (all partials), ``BLOCK_D`` (so a ``[BLOCK_N, BLOCK_D]`` tile has at most
     ``tile`` elements) and the number of ``BLOCK_D`` chunks covering ``D``."""
@@ -145,6 +167,13 @@ def dcp_rescale_triton(out: torch.Tensor, gathered_lse: torch.Tensor, rank: int)
     """
     T, H_all, D = out.shape
     N = gathered_lse.shape[0]
+    # a wrong shape here would index out of bounds on the GPU, not raise
+    if gathered_lse.dim() != 3 or tuple(gathered_lse.shape[1:]) != (T, H_all) or N < 1 or H_all % N:
+        raise ValueError(
+            f"gathered_lse must be [N, T, H_all] = [N, {T}, {H_all}] with N dividing H_all, got {list(gathered_lse.shape)}"
+        )
+    if not 0 <= rank < N:
+        raise ValueError(f"rank must be in [0, {N}), got {rank}")
     H = H_all // N
     gathered_lse = gathered_lse.contiguous()
     scaled = torch.empty((N, T, H, D), dtype=out.dtype, device=out.device)
@@ -190,9 +219,19 @@ def a2a_pack(out: torch.Tensor, lse: torch.Tensor, world: int) -> torch.Tensor:
     T, H_all, D = out.shape
     H = H_all // world
     buf = torch.empty(world * a2a_layout(T, H, D, out.dtype)[2], dtype=torch.uint8, device=out.device)
+    if T * H_all == 0:
+        return buf
     part_out, part_lse = a2a_views(buf, T, H, D, out.dtype)
-    part_out.copy_(out.view(T, world, H, D).transpose(0, 1))
-    part_lse.copy_(lse.view(T, world, H).transpose(0, 1))
+    _, BLOCK_D, D_CHUNKS = _tiles(1, D, TILE)
+    # one kernel writes both parts (in place of two torch copies between strided views)
+    _a2a_pack_kernel[(T * H_all,)](
+        out, *out.stride(),
+        lse, *lse.stride(),
+        part_out, *part_out.stride()[:3],
+        part_lse, *part_lse.stride()[:2],
+        H_all, H, D,
+        BLOCK_D=BLOCK_D, D_CHUNKS=D_CHUNKS, num_warps=4,
+    )
     return buf
 
 

@@ -165,4 +165,13 @@ sparse_mla_out.__doc__ = """:func:`sparse_mla` writing into caller-owned ``out [
 are required here. Use it with static buffers under CUDA-graph capture.
 """
 
+
+def _sparse_mla_triton(*args):
+    # imported on first call, so that `import compile_ops` does not import triton
+    from compile_ops.mla.triton import sparse_mla_triton
+
+    sparse_mla_triton(*args)
+
+
+backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _sparse_mla_triton)
 backends.register_backend("sparse_mla", "reference", backends.any_device, sparse_mla_reference)

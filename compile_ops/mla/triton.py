@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -44,52 +45,67 @@ LOG2E = 1.0 / math.log(2.0)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 BH = 64  # heads per program: the M of both products (wgmma needs 64 rows per warpgroup)
-BN = 64  # gathered KV rows per step
-NUM_WARPS = 8
-NUM_STAGES = 2
 BH_COMBINE = 16
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch shape: ``bn`` gathered rows per step, ``dsplit`` programs per head block (each
+    owning ``512 / dsplit`` output columns), warps and software-pipelining stages."""
+
+    bn: int = 64
+    dsplit: int = 1
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+CONFIGS = {name: Config() for name in ("bf16", "fp8", "fp8_ds_mla", "fp8_dsv41")}
 # kv_format -> (FMT id, data elements per row, scale bytes per row)
 _FORMATS = {"bf16": (0, 512, 0), "fp8": (1, 512, 0), "fp8_ds_mla": (2, 576, 8), "fp8_dsv41": (3, 512, 16)}
 
 
 @triton.jit
-def _load_kv(p_row, p_scale, m_row, kv_scale, FMT: tl.constexpr, BN: tl.constexpr, ROPE_BYTES: tl.constexpr):
-    """Gathered keys ``[BN, 512]`` bf16: ``p_row`` / ``p_scale`` point at each row's data / scales."""
+def _load_kv(p_row, p_scale, m_row, col0,
+             FMT: tl.constexpr, BN: tl.constexpr, DW: tl.constexpr, ROPE_BYTES: tl.constexpr):
+    """Columns ``[col0, col0 + DW)`` of ``BN`` gathered keys, dequantized: ``[BN, DW]`` bf16.
+
+    ``p_row`` / ``p_scale`` ``[BN]`` point at each row's data / scale bytes; rows where
+    ``m_row`` is False are never read and come back as zeros.
+    """
     if FMT == 0 or FMT == 1:
-        o_d = tl.arange(0, 512)
-        # [BN, 512]
+        o_d = col0 + tl.arange(0, DW)
+        # [BN, DW]
         b_k = tl.load(p_row[:, None] + o_d[None, :], mask=m_row[:, None], other=0.0)
-        if FMT == 1:
-            b_k = (b_k.to(tl.float32) * kv_scale).to(tl.bfloat16)
+        if FMT == 1:  # e4m3 -> bf16 is exact; kv_scale is applied to scores and output
+            b_k = b_k.to(tl.bfloat16)
     else:
-        # NB blocks of BLK e4m3 values, one UE8M0 scale byte each; fp8_ds_mla's last block
+        # blocks of BLK e4m3 values with one UE8M0 scale byte each; fp8_ds_mla's block 7
         # holds the 64 RoPE values as bf16 (bytes 448..575) instead.
-        NB: tl.constexpr = 8 if FMT == 2 else 16
-        BLK: tl.constexpr = 512 // NB
+        BLK: tl.constexpr = 64 if FMT == 2 else 32
         NQ: tl.constexpr = 7 if FMT == 2 else 16
-        o_c = tl.arange(0, NB)[None, :, None]
+        o_c = col0 // BLK + tl.arange(0, DW // BLK)[None, :, None]
         o_d = tl.arange(0, BLK)[None, None, :]
-        m_r = m_row[:, None, None]
-        m_q = m_r & (o_c < NQ)
-        # [BN, NB, BLK]
+        m_q = m_row[:, None, None] & (o_c < NQ)
+        # [BN, DW // BLK, BLK]
         b_x = tl.load(p_row[:, None, None] + o_c * BLK + o_d, mask=m_q, other=0)
-        # [BN, NB, 1]; 2^(e-127) built from its exponent bits
+        # [BN, DW // BLK, 1]: 2^(e - 127) built from its exponent bits
         b_e = tl.load(p_scale[:, None, None] + o_c, mask=m_q, other=127)
         b_scale = (b_e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         b_k = b_x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_scale
         if FMT == 2:
-            o_r = tl.arange(0, BLK)
+            o_r = tl.arange(0, 64)
+            m_rope = m_row[:, None] & (col0 + DW > 448)
             if ROPE_BYTES:  # odd page stride: the bf16 values are not 2-byte aligned
                 p_lo = p_row[:, None] + 448 + 2 * o_r[None, :]
-                b_lo = tl.load(p_lo, mask=m_row[:, None], other=0).to(tl.uint16)
-                b_hi = tl.load(p_lo + 1, mask=m_row[:, None], other=0).to(tl.uint16)
+                b_lo = tl.load(p_lo, mask=m_rope, other=0).to(tl.uint16)
+                b_hi = tl.load(p_lo + 1, mask=m_rope, other=0).to(tl.uint16)
                 b_rope = ((b_hi << 8) | b_lo).to(tl.bfloat16, bitcast=True)
             else:
                 p_rope = (p_row + 448).to(tl.pointer_type(tl.bfloat16))
                 # [BN, 64]
-                b_rope = tl.load(p_rope[:, None] + o_r[None, :], mask=m_row[:, None], other=0.0)
+                b_rope = tl.load(p_rope[:, None] + o_r[None, :], mask=m_rope, other=0.0)
             b_k = tl.where(o_c == NQ, b_rope.to(tl.float32)[:, None, :], b_k)
-        b_k = tl.reshape(b_k, (BN, 512)).to(tl.bfloat16)
+        b_k = tl.reshape(b_k, (BN, DW)).to(tl.bfloat16)
     return b_k
 
 
@@ -105,19 +121,29 @@ def _sparse_mla_kernel(
     T, H, W, K, n_split, has_sink, qk_scale, kv_scale,
     s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
-    FMT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
-    BH: tl.constexpr, BN: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr, ITERS: tl.constexpr,
+    FMT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    DSPLIT: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr, ITERS: tl.constexpr,
 ):
-    i_th, i_s = tl.program_id(0), tl.program_id(1)
+    # program (token t, head block, column half) x split: with DSPLIT = 2 two programs share
+    # the scores of a head block and each owns 256 of the 512 output columns
+    DV: tl.constexpr = 512 // DSPLIT
+    i_p, i_s = tl.program_id(0), tl.program_id(1)
     n_hb = tl.cdiv(H, BH)
-    i_t, i_hb = i_th // n_hb, i_th % n_hb
+    i_dv, i_p = i_p % DSPLIT, i_p // DSPLIT
+    i_t, i_hb = i_p // n_hb, i_p % n_hb
     o_h = i_hb * BH + tl.arange(0, BH)
     m_h = o_h < H
-    o_d = tl.arange(0, 512)
-    # [BH, 512]
-    b_q = tl.load(q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], mask=m_h[:, None], other=0.0)
+    col = i_dv * DV
+    o_v = col + tl.arange(0, DV)
+    p_q = q + i_t * s_qt + o_h[:, None] * s_qh
+    # [BH, DV]: this program's columns of q, and (DSPLIT = 2) the other half
+    b_q = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)
     if UPCAST:
         b_q = b_q.to(tl.float32)
+    if DSPLIT == 2:
+        b_qo = tl.load(p_q + (DV - col) + tl.arange(0, DV)[None, :], mask=m_h[:, None], other=0.0)
+        if UPCAST:
+            b_qo = b_qo.to(tl.float32)
 
     # blocks of BN columns: the SWA segment's first, then the compressed segment's
     n_swa = tl.minimum(tl.maximum(tl.load(swa_len + i_t), 0), W)
@@ -129,7 +155,7 @@ def _sparse_mla_kernel(
 
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
-    b_acc = tl.zeros([BH, 512], dtype=tl.float32)
+    b_acc = tl.zeros([BH, DV], dtype=tl.float32)
     # the interpreter wants a Python int trip count (ITERS); the tail is masked below
     for i_i in range(0, ITERS if ITERS > 0 else i_b1 - i_b0):
         i_b = i_b0 + i_i
@@ -142,19 +168,27 @@ def _sparse_mla_kernel(
         page = tl.where(is_swa, swa_page, cmp_page)
         stride = tl.where(is_swa, swa_stride, cmp_stride)
         kv = tl.where(is_swa, swa_kv, cmp_kv)
-        # [BN]
+        # [BN] slots -> (page, offset) -> row and scale pointers
         b_slot = tl.load(p_idx + o_n * s_n, mask=(o_n < n_len) & (i_b < i_b1), other=-1)
         m_n = (b_slot >= 0) & (b_slot < n_slots)
         b_slot = tl.where(m_n, b_slot, 0)
         p_page = kv + (b_slot // page).to(tl.int64) * stride
         b_off = b_slot % page
-        # [BN, 512]
-        b_k = _load_kv(p_page + b_off * DATA, p_page + page * DATA + b_off * SCALE, m_n, kv_scale, FMT, BN, ROPE_BYTES)
+        p_row = p_page + b_off * DATA
+        p_scale = p_page + page * DATA + b_off * SCALE
+        # [BN, DV]
+        b_k = _load_kv(p_row, p_scale, m_n, col, FMT, BN, DV, ROPE_BYTES)
         if UPCAST:
             b_k = b_k.to(tl.float32)
         # [BH, BN]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        if DSPLIT == 2:
+            b_ko = _load_kv(p_row, p_scale, m_n, DV - col, FMT, BN, DV, ROPE_BYTES)
+            if UPCAST:
+                b_ko = b_ko.to(tl.float32)
+            b_s = tl.dot(b_q, tl.trans(b_k), tl.dot(b_qo, tl.trans(b_ko)))
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k))
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
         b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_p = tl.math.exp2(b_s - b_m_use[:, None])
@@ -166,8 +200,9 @@ def _sparse_mla_kernel(
         b_m = b_m_new
 
     # this program's partial: normalised output and base-2 LSE (-inf when it saw nothing)
-    b_o = tl.where(b_l[:, None] > 0, b_acc / b_l[:, None], 0.0)
+    b_o = tl.where(b_l[:, None] > 0, b_acc * (kv_scale / b_l[:, None]), 0.0)
     b_lse = tl.where(b_l > 0, tl.where(b_m == float("-inf"), 0.0, b_m) + tl.log2(b_l), float("-inf"))
+    m_lse = m_h & (i_dv == 0)
     if n_split == 1:
         # fold the sink in: it is one more partial, with lse = sink * log2(e) and output 0
         b_sink = tl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
@@ -175,13 +210,13 @@ def _sparse_mla_kernel(
         b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
         b_all = b_max + tl.log2(tl.math.exp2(b_lse - b_max) + tl.math.exp2(b_sink - b_max))
         b_w = tl.where(b_all == float("-inf"), 0.0, tl.math.exp2(b_lse - b_all))
-        p_out = out + (i_t * H + o_h[:, None]) * 512 + o_d[None, :]
+        p_out = out + (i_t * H + o_h[:, None]) * 512 + o_v[None, :]
         tl.store(p_out, (b_o * b_w[:, None]).to(tl.bfloat16), mask=m_h[:, None])
-        tl.store(lse + i_t * H + o_h, b_all, mask=m_h)
+        tl.store(lse + i_t * H + o_h, b_all, mask=m_lse)
     else:
         o_row = (i_s * T + i_t) * H + o_h
-        tl.store(part_o + o_row[:, None] * 512 + o_d[None, :], b_o, mask=m_h[:, None])
-        tl.store(part_lse + o_row, b_lse, mask=m_h)
+        tl.store(part_o + o_row[:, None] * 512 + o_v[None, :], b_o, mask=m_h[:, None])
+        tl.store(part_lse + o_row, b_lse, mask=m_lse)
 
 
 @triton.jit(do_not_specialize=["T", "H", "n_split", "has_sink"])
@@ -239,12 +274,12 @@ def scratch(device: torch.device) -> _Scratch:
     return _SCRATCH[device]
 
 
-def choose_split(T: int, H: int, W: int, K: int, num_sms: int, rows: int) -> int:
-    """Programs per (token, head block): enough to fill ``num_sms``; 1 once ``T`` alone does."""
-    progs = T * triton.cdiv(H, BH)
-    blocks = triton.cdiv(W, BN) + triton.cdiv(K, BN)
-    n = min(blocks, num_sms // max(progs, 1), rows // max(T * H, 1))
-    return max(n, 1)
+def choose_split(T: int, H: int, W: int, K: int, cfg: Config, num_sms: int, rows: int) -> int:
+    """Programs per (token, head block, column half): enough to fill ``num_sms``, at most one
+    per block of ``bn`` entries; 1 once ``T`` alone fills the GPU."""
+    progs = T * triton.cdiv(H, BH) * cfg.dsplit
+    blocks = triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn)
+    return max(1, min(blocks, num_sms // progs, rows // (T * H)))
 
 
 def sparse_mla_triton(
@@ -263,12 +298,14 @@ def sparse_mla_triton(
     lse: torch.Tensor,
     *,
     n_split: Optional[int] = None,
+    config: Optional[Config] = None,
 ) -> None:
     """Fill ``out [T, H, 512]`` bf16 and ``lse [T, H]`` fp32 (base 2); inputs already validated.
 
-    Same arguments as :func:`compile_ops.mla.reference.sparse_mla_reference`. ``n_split``
-    (keyword only, tests and benchmarks) overrides the split-K choice. Only shapes steer
-    the launch, so the call is CUDA-graph capturable once the scratch exists (first call).
+    Same arguments as :func:`compile_ops.mla.reference.sparse_mla_reference`; ``n_split`` and
+    ``config`` (keyword only, for tests and benchmarks) override the split-K count and the
+    launch shape. Only shapes steer the launch, so the call is CUDA-graph capturable once the
+    device's scratch exists (the first call makes it).
     """
     T, H, _ = q.shape
     if T == 0 or H == 0:
@@ -277,32 +314,33 @@ def sparse_mla_triton(
         q = q.contiguous()
     get_format(kv_format)
     fmt, data, scale_bytes = _FORMATS[kv_format]
-    has_cmp = cmp_cache is not None
-    if not has_cmp:  # an empty second segment: K = 0, any valid pointers
+    cfg = config or CONFIGS[kv_format]
+    if cmp_cache is None:  # an empty second segment: K = 0, any valid pointers
         cmp_cache, cmp_indices, cmp_lens = swa_cache, swa_indices[:, :0], swa_lens
     W, K = swa_indices.shape[1], cmp_indices.shape[1]
     buf = scratch(q.device)
     if n_split is None:
-        n_split = choose_split(T, H, W, K, buf.num_sms, buf.rows)
+        n_split = choose_split(T, H, W, K, cfg, buf.num_sms, buf.rows)
     n_split = max(1, min(int(n_split), buf.rows // (T * H)))
-    rope_bytes = fmt == 2 and any(
-        (c.stride(0) % 2) or (c.storage_offset() % 2) for c in (swa_cache, cmp_cache)
-    )
-    grid = (T * triton.cdiv(H, BH), n_split)
-    _sparse_mla_kernel[grid](
+    # fp8_ds_mla's bf16 RoPE values sit at odd addresses when a page stride is odd
+    rope_bytes = fmt == 2 and any(c.stride(0) % 2 or c.storage_offset() % 2 for c in (swa_cache, cmp_cache))
+    kv_mul = float(kv_scale) if fmt == 1 else 1.0  # fp8: scores and output carry kv_scale
+    iters = triton.cdiv(triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn), n_split) + 1 if INTERPRET else 0
+    _sparse_mla_kernel[(T * triton.cdiv(H, BH) * cfg.dsplit, n_split)](
         q, out, lse, buf.part_o, buf.part_lse, sink if sink is not None else lse,
         swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens,
-        T, H, W, K, n_split, int(sink is not None), float(sm_scale) * LOG2E, float(kv_scale),
+        T, H, W, K, n_split, int(sink is not None), float(sm_scale) * LOG2E * kv_mul, kv_mul,
         q.stride(0), q.stride(1), swa_indices.stride(0), swa_indices.stride(1),
         cmp_indices.stride(0), cmp_indices.stride(1),
         swa_cache.shape[1], swa_cache.stride(0), num_slots(swa_cache),
         cmp_cache.shape[1], cmp_cache.stride(0), num_slots(cmp_cache),
-        FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=BN, ROPE_BYTES=bool(rope_bytes),
-        UPCAST=INTERPRET, ITERS=triton.cdiv(triton.cdiv(W, BN) + triton.cdiv(K, BN), n_split) + 1 if INTERPRET else 0,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=cfg.dsplit,
+        ROPE_BYTES=bool(rope_bytes), UPCAST=INTERPRET, ITERS=iters,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if n_split > 1:
         _combine_kernel[(T, triton.cdiv(H, BH_COMBINE))](
             buf.part_o, buf.part_lse, sink if sink is not None else lse, out, lse,
-            T, H, n_split, int(sink is not None), BH=BH_COMBINE, ITERS=n_split if INTERPRET else 0, num_warps=4,
+            T, H, n_split, int(sink is not None), BH=BH_COMBINE, ITERS=n_split if INTERPRET else 0,
+            num_warps=4,
         )

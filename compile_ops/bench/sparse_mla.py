@@ -1,0 +1,286 @@
+"""``python -m compile_ops.bench sparse-mla``: Triton sparse MLA vs FlashMLA vs torch.compile.
+
+For every (H, K) shape and token count T, with a 128-entry SWA segment (each token's own
+window of contiguous slots) plus K compressed entries drawn at random from a pool larger
+than L2, it times:
+
+* ours: ``compile_ops.sparse_mla_out`` on the Triton backend, for every ``kv_format``;
+* FlashMLA (``sgl-flash-mla``, ``use_legacy=True``) on the same ``fp8_ds_mla`` caches;
+* the plain-torch reference under ``torch.compile`` (bf16 caches, a few T: it is slow).
+
+GPU work is timed by CUDA-graph replay: ``--calls`` calls (cycling over ``--sets`` input sets
+so that consecutive calls read different rows) are captured once, the graph is replayed
+``--reps`` times and the median replay is divided by ``--calls``. Reported per case:
+microseconds, TFLOP/s (``4 T H A 512``, ``A = 128 + K`` attended entries), GB/s of KV rows,
+and % of roofline ``max(flops / 790e12, bytes / 4.3e12)`` (bytes: KV rows + indices + q,
+out and lse, each once). Writes ``sparse_mla.csv``, ``sparse_mla.md`` and ``sparse_mla.png``
+to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import time
+
+import torch
+
+FORMATS = ("bf16", "fp8", "fp8_ds_mla", "fp8_dsv41")
+PEAK_FLOPS, PEAK_BYTES = 790e12, 4.3e12  # bf16 matrix rate and copy bandwidth measured on the H200
+W, PAGE = 128, 64
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m compile_ops.bench sparse-mla", description=__doc__.split("\n")[0])
+    p.add_argument("--T", default="1,8,32,128,512,2048", help="token counts")
+    p.add_argument("--shapes", default="64:512,128:1024", help="H:K pairs")
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--ref-T", default="1,128", help="T at which to time the torch.compile'd reference ('' = none)")
+    p.add_argument("--no-flashmla", action="store_true")
+    p.add_argument("--configs", default="", help="Triton launch configs to compare, bn:dsplit:warps:stages,... ('' = the tuned default)")
+    p.add_argument("--pool", type=int, default=1 << 18, help="compressed-cache slots the top-k is drawn from")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--sets", type=int, default=4)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="bench-out")
+    return p.parse_args(argv)
+
+
+def cycle_timer(device, calls, reps):
+    """``time(fns) -> us per call``: CUDA-graph replay on a GPU, a wall clock elsewhere."""
+
+    def time_graph(fns):
+        for f in fns:
+            f()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fns[i % len(fns)]()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) * 1e3 / calls)
+        return statistics.median(times)
+
+    def time_wall(fns):
+        fns[0]()
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t0) * 1e6 / len(fns)
+
+    return time_graph if device.type == "cuda" else time_wall
+
+
+def make_caches(kv_format, slots, device, gen):
+    from compile_ops.formats import get_format, new_cache, write_kv
+
+    pages = slots // PAGE
+    # FlashMLA pads fp8_ds_mla pages to a multiple of 576 bytes; we take any stride
+    gap = -(PAGE * 584) % 576 if kv_format == "fp8_ds_mla" else 0
+    cache = new_cache(kv_format, pages, PAGE, device=device, page_gap=gap)
+    chunk = 1 << 16
+    for s in range(0, slots, chunk):
+        n = min(chunk, slots - s)
+        kv = torch.randn(n, 512, device=device, generator=gen)
+        write_kv(cache, torch.arange(s, s + n, dtype=torch.int32, device=device), kv, kv_format, 1.0)
+    return cache, get_format(kv_format).bytes_per_token
+
+
+def make_inputs(T, H, K, n_swa, n_cmp, n_sets, device, gen):
+    sets = []
+    for s in range(n_sets):
+        base = (torch.arange(T, device=device) * W + s * T * W) % max(n_swa - W, 1)
+        swa_idx = (base[:, None] + torch.arange(W, device=device)).to(torch.int32)
+        cmp_idx = torch.randint(0, n_cmp, (T, K), device=device, generator=gen, dtype=torch.int32)
+        q = torch.randn(T, H, 512, device=device, generator=gen).to(torch.bfloat16)
+        sets.append((q, swa_idx, torch.full((T,), W, dtype=torch.int32, device=device), cmp_idx, torch.full((T,), K, dtype=torch.int32, device=device)))
+    return sets
+
+
+def roofline(T, H, K, bytes_per_token):
+    A = W + K
+    flops = 4.0 * T * H * A * 512
+    kv_bytes = T * A * bytes_per_token
+    io_bytes = kv_bytes + T * A * 4 + T * H * 512 * 2 * 2 + T * H * 4
+    return flops, kv_bytes, max(flops / PEAK_FLOPS, io_bytes / PEAK_BYTES)
+
+
+def main(argv=None):
+    args = parse(argv)
+    import compile_ops
+    from compile_ops.mla import triton as mla_triton
+    from compile_ops.mla.reference import sparse_mla_reference
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **k: x  # noqa: E731
+    device = torch.device(args.device)
+    Ts = [int(t) for t in args.T.split(",") if t]
+    ref_Ts = {int(t) for t in args.ref_T.split(",") if t}
+    shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
+    formats = [f for f in args.formats.split(",") if f]
+    configs = [mla_triton.Config(*map(int, c.split(":"))) for c in args.configs.split(",") if c] or [None]
+    flash_mla = None
+    if not args.no_flashmla and device.type == "cuda":
+        try:
+            import flash_mla
+        except ImportError as e:
+            print(f"FlashMLA not importable ({e}); skipping it")
+    timer = cycle_timer(device, args.calls, args.reps)
+    gen = torch.Generator(device=device).manual_seed(0)
+    os.makedirs(args.out, exist_ok=True)
+    sm_scale = 512**-0.5
+    rows = []
+
+    def ours(fmt, cfg, a):
+        q, si, sl, ci, cl = a
+        T, H = q.shape[:2]
+        out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
+        lse = torch.empty(T, H, device=device)
+        call = (q, swa[fmt], si, sl, cmp[fmt], ci, cl, sink, sm_scale, fmt, 1.0, out, lse)
+        if cfg is not None or device.type != "cuda":
+            return lambda: mla_triton.sparse_mla_triton(*call, config=cfg)
+        return lambda: compile_ops.sparse_mla_out(*call)
+
+    def flashmla(a, sched):
+        q, si, sl, ci, cl = a
+        T, H = q.shape[:2]
+        return lambda: flash_mla.flash_mla_with_kvcache(
+            q.view(T, 1, H, 512), cmp["fp8_ds_mla"].unsqueeze(2), None, None, 512, sched,
+            softmax_scale=sm_scale, is_fp8_kvcache=True, indices=ci.view(T, 1, -1), attn_sink=sink,
+            extra_k_cache=swa["fp8_ds_mla"].unsqueeze(2), extra_indices_in_kvcache=si.view(T, 1, W),
+            topk_length=cl, extra_topk_length=sl, use_legacy=True,
+        )
+
+    def reference_fn(q, swa_c, si, sl, cmp_c, ci, cl, sink_, fmt):
+        out = torch.empty(*q.shape, dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty(q.shape[:2], device=q.device)
+        sparse_mla_reference(q, swa_c, si, sl, cmp_c, ci, cl, sink_, sm_scale, fmt, 1.0, out, lse)
+        return out, lse
+
+    compiled_ref = torch.compile(reference_fn, dynamic=False)
+    jobs = [(H, K, T) for H, K in shapes for T in Ts]
+    bar = tqdm(total=len(jobs), desc="sparse-mla", unit="case")
+    swa = cmp = None
+    with compile_ops.use_backends(sparse_mla="triton" if device.type == "cuda" else "auto"):
+        for H, K in shapes:
+            n_swa = -(-max(2 * max(Ts) * W, 4 * W) // PAGE) * PAGE
+            n_cmp = max(args.pool // PAGE * PAGE, PAGE)
+            swa, cmp, bpt = {}, {}, {}
+            for fmt in formats:
+                swa[fmt], bpt[fmt] = make_caches(fmt, n_swa, device, gen)
+                cmp[fmt], _ = make_caches(fmt, n_cmp, device, gen)
+            sink = torch.randn(H, device=device, generator=gen)
+            for T in Ts:
+                sets = make_inputs(T, H, K, n_swa, n_cmp, args.sets, device, gen)
+                for fmt in formats:
+                    for cfg in configs:
+                        us = timer([ours(fmt, cfg, a) for a in sets])
+                        name = "triton" if cfg is None else f"triton[{cfg.bn}:{cfg.dsplit}:{cfg.num_warps}:{cfg.num_stages}]"
+                        rows.append(dict(H=H, K=K, T=T, impl=name, kv_format=fmt, us=us))
+                if flash_mla is not None and "fp8_ds_mla" in formats:
+                    sched, _ = flash_mla.get_mla_metadata()
+                    rows.append(dict(H=H, K=K, T=T, impl="flashmla", kv_format="fp8_ds_mla", us=timer([flashmla(a, sched) for a in sets])))
+                if T in ref_Ts and "bf16" in formats:
+                    q, si, sl, ci, cl = sets[0]
+                    t0 = time.perf_counter()
+                    fn = lambda: compiled_ref(q, swa["bf16"], si, sl, cmp["bf16"], ci, cl, sink, "bf16")  # noqa: E731
+                    fn()
+                    compile_s = time.perf_counter() - t0
+                    try:
+                        us = timer([fn])
+                    except Exception as e:  # capture can fail; fall back to a synchronised wall clock
+                        print(f"compiled reference not capturable ({type(e).__name__}); timing eagerly")
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        for _ in range(args.calls):
+                            fn()
+                        torch.cuda.synchronize()
+                        us = (time.perf_counter() - t0) * 1e6 / args.calls
+                    rows.append(dict(H=H, K=K, T=T, impl="torch.compile(reference)", kv_format="bf16", us=us, compile_s=round(compile_s, 1)))
+                bar.update(1)
+    bar.close()
+    for r in rows:
+        flops, kv_bytes, roof = roofline(r["T"], r["H"], r["K"], bpt[r["kv_format"]])
+        r["tflops"] = flops / r["us"] / 1e6
+        r["kv_gbps"] = kv_bytes / r["us"] / 1e3
+        r["pct_roofline"] = 100 * roof / (r["us"] * 1e-6)
+    report(rows, args.out)
+    return 0
+
+
+def report(rows, out_dir):
+    keys = ["H", "K", "T", "impl", "kv_format", "us", "tflops", "kv_gbps", "pct_roofline", "compile_s"]
+    with open(os.path.join(out_dir, "sparse_mla.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()})
+    # one table: per (H, K, T) our us / TFLOP/s / % roofline per format, then the peers
+    by = {}
+    for r in rows:
+        by.setdefault((r["H"], r["K"], r["T"]), {})[(r["impl"], r["kv_format"])] = r
+    ours = sorted({(r["impl"], r["kv_format"]) for r in rows if r["impl"].startswith("triton")}, key=lambda x: (x[0], FORMATS.index(x[1])))
+    head = ["H", "K", "T"] + [f"{i.replace('triton', 'ours')} {f} us / TF/s / %roof" for i, f in ours]
+    head += ["FlashMLA us", "FlashMLA / ours(fp8_ds_mla)", "compiled ref us (bf16)", "ref / ours(bf16)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (H, K, T), d in sorted(by.items()):
+        cells = [str(H), str(K), str(T)]
+        for key in ours:
+            r = d.get(key)
+            cells.append(f"{r['us']:.1f} / {r['tflops']:.0f} / {r['pct_roofline']:.0f}%" if r else "")
+        fm = d.get(("flashmla", "fp8_ds_mla"))
+        mine = d.get(("triton", "fp8_ds_mla"))
+        cells.append(f"{fm['us']:.1f}" if fm else "")
+        cells.append(f"{fm['us'] / mine['us']:.2f}x" if fm and mine else "")
+        ref = d.get(("torch.compile(reference)", "bf16"))
+        mine16 = d.get(("triton", "bf16"))
+        cells.append(f"{ref['us']:.0f}" if ref else "")
+        cells.append(f"{ref['us'] / mine16['us']:.1f}x" if ref and mine16 else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    with open(os.path.join(out_dir, "sparse_mla.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    shapes = sorted({(r["H"], r["K"]) for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4), squeeze=False)
+    for ax, (H, K) in zip(axes[0], shapes):
+        for impl, fmt in sorted({(r["impl"], r["kv_format"]) for r in rows}):
+            pts = sorted((r["T"], r["tflops"]) for r in rows if (r["H"], r["K"], r["impl"], r["kv_format"]) == (H, K, impl, fmt))
+            label = f"{impl.replace('triton', 'ours')} {fmt}" if impl.startswith("triton") else f"{impl} {fmt}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T (tokens)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"H={H}, top-k={K} + 128 SWA (H200)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "sparse_mla.png"), dpi=72)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,168 @@
+"""Measurement helpers for ``python -m graphs``: layer setups, timers, the per-batch table.
+
+Three ways to run one decode step of ``b`` tokens are timed side by side:
+
+* ``eager``: the layer in eager mode (``DecodeRunner(compile=False, cuda_graphs=False)``),
+  wall clock per step including Python and launch overhead -- what an engine without
+  graphs pays.
+* ``compiled``: the Inductor-compiled step called directly, no graph.
+* ``step``: :meth:`DecodeRunner.step` -- copy the step's inputs into the static buffers and
+  replay the bucket's CUDA graph (wall clock); ``replay``: the graph replay alone (CUDA
+  events); ``kernels``: the sum of the GPU times of the kernels one replay runs
+  (``torch.profiler``), the floor a graph can reach.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable, Optional
+
+import torch
+
+from graphs.attention import DSV41Attention
+from graphs.config import V41_FLASH, AttentionConfig, CacheConfig
+from graphs.runner import DecodeRunner
+
+
+def flash_layer(ratio: int, device, *, cfg: AttentionConfig = V41_FLASH, max_requests: int = 256,
+                max_seq_len: int = 2048, page_size: int = 64, kv_format: str = "bf16", seed: int = 0) -> DSV41Attention:
+    """The V4.1-Flash layer the GPU tests and the benchmark share (identical shapes, so a
+    second process finds Inductor's compiled graph in its on-disk cache)."""
+    cache = CacheConfig(max_requests=max_requests, max_tokens=max_requests, max_seq_len=max_seq_len,
+                        page_size=page_size, kv_format=kv_format)
+    return DSV41Attention(cfg, cache, ratio, device=device, seed=seed)
+
+
+@torch.no_grad()
+def fill_random(layer: DSV41Attention, seed: int = 0) -> None:
+    """Fill bf16 caches and the index keys with random rows, so a step at a late position
+    attends a full window and a top-k chosen among many real scores."""
+    gen = torch.Generator(device=layer.swa_cache.device).manual_seed(seed)
+    for name in ("swa_cache", "cmp_cache", "indexer.kv_cache"):
+        try:
+            buf = layer.get_buffer(name)
+        except AttributeError:
+            continue
+        if buf is not None and buf.dtype == torch.bfloat16:
+            buf.normal_(generator=gen)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_host(fn: Callable[[], object], device, iters: int, warmup: int = 2) -> float:
+    """Wall-clock microseconds per call (device synchronised before and after)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def time_replay(graph: "torch.cuda.CUDAGraph", iters: int) -> float:
+    """Microseconds per replay, by CUDA events around ``iters`` back-to-back replays."""
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters * 1e3
+
+
+def kernel_time(fn: Callable[[], object], iters: int = 5) -> float:
+    """Sum of the GPU times of the kernels (and device memcpy/memset) ``fn`` runs, in
+    microseconds per call, from ``torch.profiler``; 0 if the profiler saw none."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
+    return total / iters
+
+
+def decode_inputs(batch: int, position: int, dim: int, device, seed: int = 0):
+    """A step of ``batch`` requests (rows ``0..batch-1``), all at ``position``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, dim, generator=gen).to(torch.bfloat16).to(device)
+    positions = torch.full((batch,), position, dtype=torch.int32, device=device)
+    rows = torch.arange(batch, dtype=torch.int32, device=device)
+    return x, positions, rows
+
+
+@torch.no_grad()
+def time_batches(runner: DecodeRunner, eager: DecodeRunner, batches, position: int, *, iters: int = 20,
+                 replay_iters: int = 100, profile_batches=(), deadline: Optional[float] = None) -> list[dict]:
+    """One row per batch size: microseconds of eager / compiled / step / replay / kernels."""
+    device = runner.layer.swa_cache.device
+    cuda = device.type == "cuda"
+    rows = []
+    for b in batches:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        x, positions, req = decode_inputs(b, position, runner.layer.cfg.dim, device)
+        bucket = runner.bucket_for(b)
+        row = {"batch": b, "bucket": bucket}
+        row["eager_us"] = time_host(lambda: eager.step(x, positions, req), device, max(3, iters // 4))
+
+        def compiled_step():
+            runner.meta.update(positions, req, bucket=bucket)
+            runner.x[:b].copy_(x)
+            return runner.run(bucket)
+
+        row["compiled_us"] = time_host(compiled_step, device, iters)
+        if cuda:
+            row["step_us"] = time_host(lambda: runner.step(x, positions, req), device, replay_iters)
+            row["replay_us"] = time_replay(runner.graphs[bucket], replay_iters)
+            if b in profile_batches:
+                row["kernels_us"] = kernel_time(runner.graphs[bucket].replay)
+                row["kernels_from"] = "graph replay"
+                if not row["kernels_us"]:  # the profiler saw no kernels inside the graph
+                    row["kernels_us"] = kernel_time(compiled_step)
+                    row["kernels_from"] = "compiled step without graph"
+        rows.append(row)
+    return rows
+
+
+def eager_twin(layer: DSV41Attention, buckets) -> DecodeRunner:
+    """An eager runner over a deep copy of ``layer`` (same weights and state)."""
+    return DecodeRunner(copy.deepcopy(layer), buckets=buckets, compile=False, cuda_graphs=False)
+
+
+def plot(results: dict, path: str, title: str) -> None:
+    """Step time per batch size, one panel per layer ratio (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, (label, rows) in zip(axes[0], results.items()):
+        batches = [r["batch"] for r in rows]
+        for key, name in (("eager_us", "eager"), ("compiled_us", "compiled, no graph"),
+                          ("step_us", "graph step (copy-in + replay)"), ("replay_us", "graph replay")):
+            if all(key in r for r in rows):
+                ax.plot(batches, [r[key] for r in rows], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (tokens per decode step)")
+        ax.set_ylabel("microseconds per step")
+        ax.set_title(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,223 @@
+"""Triton sparse MLA (``compile_ops.mla.triton``) against the plain-torch reference.
+
+CPU: the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1) on tiny
+shapes. GPU (``pytest -m gpu``): shapes and formats across the issue's cross product,
+CUDA-graph capture with new indices on replay, and FlashMLA on the same fp8_ds_mla caches.
+
+Tolerances (max over every element, relative to the reference's fp32 math on the same
+dequantized keys): keys dequantize exactly to bf16 (e4m3 times a power of two), so the error
+is the bf16 rounding of the softmax weights in ``P @ V`` plus the bf16 output rounding:
+``|out - ref| <= 2**-7 |ref| + 2**-8 max|ref|`` and ``|lse - ref| <= 1e-3`` for every format.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import compile_ops
+from compile_ops.formats import new_cache, num_slots, write_kv
+from compile_ops.mla import triton as mla_triton
+from compile_ops.mla.reference import sparse_mla_reference
+
+FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41"]
+
+
+def make_cache(kv_format, num_pages, page_size, page_gap=0, kv_scale=1.0, device="cpu", gen=None):
+    cache = new_cache(kv_format, num_pages, page_size, device=device, page_gap=page_gap)
+    n = num_pages * page_size
+    kv = torch.randn(n, 512, generator=gen, device=device) * torch.rand(n, 1, generator=gen, device=device).mul(3).add(0.05)
+    write_kv(cache, torch.arange(n, dtype=torch.int32, device=device), kv, kv_format, kv_scale)
+    return cache
+
+
+def make_indices(T, width, n_slots, device="cpu", gen=None, holes=True):
+    """Slots with -1 holes, out-of-range values (negative and >= n_slots), duplicates, random lens (0 included)."""
+    lo, hi = (-2, n_slots + 3) if holes else (0, n_slots)
+    idx = torch.randint(lo, max(hi, lo + 1), (T, width), generator=gen, dtype=torch.int32, device=device)
+    lens = torch.randint(0, width + 1, (T,), generator=gen, dtype=torch.int32, device=device)
+    if width > 1:
+        idx[:, -1] = idx[:, 0]
+    if T > 1:
+        lens[0] = 0
+    return idx, lens
+
+
+def make_case(kv_format, T, H, W, K, page_size, *, sink="finite", page_gap=0, device="cpu", seed=0, pool_pages=None):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    kv_scale = 0.37 if kv_format == "fp8" else 1.0
+    swa = make_cache(kv_format, pool_pages or 3, page_size, page_gap, kv_scale, device, gen)
+    swa_idx, swa_lens = make_indices(T, W, num_slots(swa), device, gen)
+    cmp = (None, None, None)
+    if K is not None:
+        c = make_cache(kv_format, pool_pages or 4, page_size, 0, kv_scale, device, gen)
+        cmp = (c, *make_indices(T, K, num_slots(c), device, gen))
+    q = torch.randn(T, H, 512, generator=gen, device=device).to(torch.bfloat16)
+    sinks = {
+        "none": None,
+        "-inf": torch.full((H,), -math.inf, device=device),
+        "finite": torch.randn(H, generator=gen, device=device) * 2,
+    }
+    sm_scale = 512**-0.5
+    return (q, swa, swa_idx, swa_lens, *cmp, sinks[sink], sm_scale, kv_format, kv_scale)
+
+
+def run_both(args, **kw):
+    q = args[0]
+    T, H = q.shape[:2]
+    ref_out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=q.device)
+    ref_lse = torch.empty(T, H, device=q.device)
+    sparse_mla_reference(*args, ref_out, ref_lse)
+    out = torch.full_like(ref_out, float("nan"))  # poisoned: every element must be written
+    lse = torch.full_like(ref_lse, float("nan"))
+    mla_triton.sparse_mla_triton(*args, out, lse, **kw)
+    return out, lse, ref_out, ref_lse
+
+
+def errors(out, lse, ref_out, ref_lse):
+    """(max |out - ref| over the tolerance, max lse error); both must be <= 1."""
+    assert not out.isnan().any() and not lse.isnan().any()
+    ro, o = ref_out.float(), out.float()
+    tol = 2.0**-7 * ro.abs() + 2.0**-8 * ro.abs().max().clamp_min(1e-6)
+    same_inf = torch.isinf(ref_lse) & (ref_lse == lse)
+    lse_err = torch.where(same_inf, 0.0, (lse - ref_lse).abs())
+    return ((o - ro).abs() / tol).max().item(), (lse_err.max().item() / 1e-3 if lse.numel() else 0.0)
+
+
+def check(args, **kw):
+    out, lse, ref_out, ref_lse = run_both(args, **kw)
+    e_out, e_lse = errors(out, lse, ref_out, ref_lse)
+    assert e_out <= 1.0, f"out error {e_out:.3f} x tolerance"
+    assert e_lse <= 1.0, f"lse error {e_lse:.3f} x tolerance"
+
+
+# ---------------------------------------------------------------------------------- CPU
+
+SPLIT2 = mla_triton.Config(bn=32, dsplit=2, num_warps=4, num_stages=2)
+
+CPU_CASES = [
+    # kv_format, T, H, W, K, page_size, sink, page_gap, n_split, config
+    ("bf16", 3, 5, 70, 40, 16, "finite", 0, None, None),
+    ("fp8", 2, 8, 9, 33, 64, "none", 0, None, None),
+    ("fp8_ds_mla", 2, 70, 10, 100, 3, "-inf", 5, 3, None),  # odd page stride, 2 head blocks
+    ("fp8_dsv41", 4, 3, 8, 130, 64, "finite", 3, 4, None),
+    ("bf16", 2, 9, 0, None, 1, "none", 0, 2, None),  # no SWA columns, no compressed segment
+    ("fp8_ds_mla", 3, 4, 20, 70, 256, "finite", 0, None, SPLIT2),
+    ("fp8_dsv41", 2, 16, 33, None, 2, "none", 0, 1, SPLIT2),
+    ("fp8", 1, 1, 5, 5, 1, "finite", 0, 1, SPLIT2),
+]
+
+
+@pytest.mark.parametrize(
+    "kv_format,T,H,W,K,page_size,sink,page_gap,n_split,config",
+    CPU_CASES,
+    ids=[f"{c[0]}-T{c[1]}-H{c[2]}-W{c[3]}-K{c[4]}-p{c[5]}-{c[6]}-gap{c[7]}-s{c[8]}-{'ds2' if c[9] else 'ds1'}" for c in CPU_CASES],
+)
+def test_interpreter_matches_reference(kv_format, T, H, W, K, page_size, sink, page_gap, n_split, config):
+    args = make_case(kv_format, T, H, W, K, page_size, sink=sink, page_gap=page_gap, seed=T * 7 + H)
+    check(args, n_split=n_split, config=config)
+
+
+def test_interpreter_empty_rows():
+    """All-invalid rows: out = 0 and lse = sink * log2(e) (or -inf), never NaN."""
+    args = list(make_case("fp8_dsv41", 2, 3, 6, 6, 4, sink="finite"))
+    args[2] = torch.full_like(args[2], -1)  # SWA: all holes
+    args[6] = torch.zeros_like(args[6])  # compressed: lens 0
+    out, lse, _, _ = run_both(tuple(args), n_split=2)
+    assert (out == 0).all()
+    torch.testing.assert_close(lse, (args[7] / math.log(2)).expand(2, 3), rtol=0, atol=1e-6)
+    args[7] = None
+    out, lse, _, _ = run_both(tuple(args))
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+# A representative cross product: every H, K, T, format and page size appears; the full one
+# (6 x 5 x 5 x 4 x 2) does not fit the device budget.
+GPU_SHAPES = [
+    # H, K, T, page_size
+    (8, 0, 1, 64),
+    (16, 128, 3, 256),
+    (32, 512, 64, 64),
+    (48, 1024, 3, 256),
+    (64, 512, 512, 64),
+    (64, 2048, 1, 256),
+    (128, 1024, 64, 64),
+    (128, 0, 4096, 256),
+    (16, 2048, 512, 64),
+    (128, 128, 1, 256),
+    (8, 1024, 4096, 64),
+    (64, 0, 64, 256),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("H,K,T,page_size", GPU_SHAPES, ids=[f"H{h}-K{k}-T{t}-p{p}" for h, k, t, p in GPU_SHAPES])
+def test_gpu_matches_reference(kv_format, H, K, T, page_size):
+    args = make_case(kv_format, T, H, 128, K, page_size, device="cuda", seed=H + K + T, pool_pages=4096 // page_size + 3)
+    check(args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_gpu_graph_capture_new_indices(kv_format):
+    """Capture sparse_mla_out once, then replay with new indices and lens copied in."""
+    T, H, W, K = 5, 64, 128, 512
+    args = list(make_case(kv_format, T, H, W, K, 64, device="cuda", seed=1, pool_pages=64))
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(T, H, device="cuda")
+    with compile_ops.use_backends(sparse_mla="triton"):
+        compile_ops.sparse_mla_out(*args, out, lse)  # warm-up: compiles, allocates the scratch
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            compile_ops.sparse_mla_out(*args, out, lse)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for _ in range(2):
+        for i in (2, 5):
+            new_idx, new_lens = make_indices(T, args[i].shape[1], num_slots(args[i - 1]), "cuda", gen)
+            args[i].copy_(new_idx)
+            args[i + 1].copy_(new_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref_out = torch.empty_like(out)
+        ref_lse = torch.empty_like(lse)
+        sparse_mla_reference(*args, ref_out, ref_lse)
+        e_out, e_lse = errors(out, lse, ref_out, ref_lse)
+        assert e_out <= 1.0 and e_lse <= 1.0, (e_out, e_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,K,T", [(64, 512, 1), (64, 512, 128), (128, 1024, 64)])
+def test_gpu_matches_flashmla(H, K, T):
+    """Same fp8_ds_mla caches through FlashMLA's SM90 sparse decode (natural-log LSE, no sink)."""
+    flash_mla = pytest.importorskip("flash_mla")
+    gen = torch.Generator(device="cuda").manual_seed(H + K + T)
+    page, W = 64, 128
+    pages = (4 * K + W * T) // page + 2
+    gap = -(page * 584) % 576  # FlashMLA pads pages to multiples of 576 bytes
+    swa = make_cache("fp8_ds_mla", pages, page, gap, device="cuda", gen=gen)
+    cmp = make_cache("fp8_ds_mla", pages, page, gap, device="cuda", gen=gen)
+    swa_idx = torch.randint(0, num_slots(swa), (T, W), generator=gen, device="cuda", dtype=torch.int32)
+    cmp_idx = torch.randint(0, num_slots(cmp), (T, K), generator=gen, device="cuda", dtype=torch.int32)
+    swa_lens = torch.randint(1, W + 1, (T,), generator=gen, device="cuda", dtype=torch.int32)
+    cmp_lens = torch.randint(1, K + 1, (T,), generator=gen, device="cuda", dtype=torch.int32)
+    q = torch.randn(T, H, 512, generator=gen, device="cuda").to(torch.bfloat16)
+    sink = torch.randn(H, generator=gen, device="cuda")
+    sm_scale = 512**-0.5
+    args = (q, swa, swa_idx, swa_lens, cmp, cmp_idx, cmp_lens, sink, sm_scale, "fp8_ds_mla", 1.0)
+    out, lse, ref_out, ref_lse = run_both(args)
+    sched, _ = flash_mla.get_mla_metadata()
+    fm_out, fm_lse = flash_mla.flash_mla_with_kvcache(
+        q.view(T, 1, H, 512), cmp.unsqueeze(2), None, None, 512, sched,
+        softmax_scale=sm_scale, is_fp8_kvcache=True, indices=cmp_idx.view(T, 1, K), attn_sink=sink,
+        extra_k_cache=swa.unsqueeze(2), extra_indices_in_kvcache=swa_idx.view(T, 1, W),
+        topk_length=cmp_lens, extra_topk_length=swa_lens, use_legacy=True,
+    )
+    fm_lse2 = torch.logaddexp(fm_lse.view(T, H), sink.view(1, H)) / math.log(2)  # + sink, base 2
+    e_out, e_lse = errors(out, lse, fm_out.view(T, H, 512), fm_lse2)
+    assert e_out <= 2.0 and e_lse <= 2.0, (e_out, e_lse)  # two bf16 roundings of P, one on each side
