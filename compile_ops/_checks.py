@@ -41,7 +41,8 @@ def check_dim(name: str, t: torch.Tensor, dim: int, size, what: str) -> None:
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An int (or a SymInt, as ints reach fake kernels under dynamic shapes) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -122,7 +122,8 @@ def _sparse_mla_kernel(
     s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
     FMT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-    DSPLIT: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr, ITERS: tl.constexpr,
+    DSPLIT: tl.constexpr, PAGE_SHIFT: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr,
+    ITERS: tl.constexpr,
 ):
     # program (token t, head block, column half) x split: with DSPLIT = 2 two programs share
     # the scores of a head block and each owns 256 of the 512 output columns
@@ -172,8 +173,13 @@ def _sparse_mla_kernel(
         b_slot = tl.load(p_idx + o_n * s_n, mask=(o_n < n_len) & (i_b < i_b1), other=-1)
         m_n = (b_slot >= 0) & (b_slot < n_slots)
         b_slot = tl.where(m_n, b_slot, 0)
-        p_page = kv + (b_slot // page).to(tl.int64) * stride
-        b_off = b_slot % page
+        if PAGE_SHIFT:  # page sizes are powers of two: `page` holds log2(page size)
+            p_page = kv + (b_slot >> page).to(tl.int64) * stride
+            b_off = b_slot & ((1 << page) - 1)
+            page = 1 << page
+        else:
+            p_page = kv + (b_slot // page).to(tl.int64) * stride
+            b_off = b_slot % page
         p_row = p_page + b_off * DATA
         p_scale = p_page + page * DATA + b_off * SCALE
         # [BN, DV]
@@ -324,6 +330,11 @@ def sparse_mla_triton(
     n_split = max(1, min(int(n_split), buf.rows // (T * H)))
     # fp8_ds_mla's bf16 RoPE values sit at odd addresses when a page stride is odd
     rope_bytes = fmt == 2 and any(c.stride(0) % 2 or c.storage_offset() % 2 for c in (swa_cache, cmp_cache))
+    # power-of-two page sizes (the usual 64 / 256) map slots to pages with shifts
+    pages = (swa_cache.shape[1], cmp_cache.shape[1])
+    page_shift = all(p > 0 and p & (p - 1) == 0 for p in pages)
+    if page_shift:
+        pages = tuple(p.bit_length() - 1 for p in pages)
     kv_mul = float(kv_scale) if fmt == 1 else 1.0  # fp8: scores and output carry kv_scale
     iters = triton.cdiv(triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn), n_split) + 1 if INTERPRET else 0
     _sparse_mla_kernel[(T * triton.cdiv(H, BH) * cfg.dsplit, n_split)](
@@ -332,10 +343,10 @@ def sparse_mla_triton(
         T, H, W, K, n_split, int(sink is not None), float(sm_scale) * LOG2E * kv_mul, kv_mul,
         q.stride(0), q.stride(1), swa_indices.stride(0), swa_indices.stride(1),
         cmp_indices.stride(0), cmp_indices.stride(1),
-        swa_cache.shape[1], swa_cache.stride(0), num_slots(swa_cache),
-        cmp_cache.shape[1], cmp_cache.stride(0), num_slots(cmp_cache),
+        pages[0], swa_cache.stride(0), num_slots(swa_cache),
+        pages[1], cmp_cache.stride(0), num_slots(cmp_cache),
         FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=cfg.dsplit,
-        ROPE_BYTES=bool(rope_bytes), UPCAST=INTERPRET, ITERS=iters,
+        PAGE_SHIFT=page_shift, ROPE_BYTES=bool(rope_bytes), UPCAST=INTERPRET, ITERS=iters,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if n_split > 1:
