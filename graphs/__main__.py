@@ -114,6 +114,10 @@ def report(info: dict) -> None:
                   f"{r['eager_us'] / r['replay_us']:12.1f} {ratio}")
         sources = sorted({r["kernels_from"] for r in info["rows"] if "kernels_from" in r})
         print(f"kernels = summed GPU time of the kernels, from torch.profiler of: {', '.join(sources) or 'none'}")
+        for r in info["rows"]:
+            if r.get("top_kernels") and r["batch"] in (1, max(x["batch"] for x in info["rows"] if "top_kernels" in x)):
+                print(f"costliest kernels at batch {r['batch']} (us): "
+                      + "; ".join(f"{name} {us}" for name, us in r["top_kernels"][:5]))
     else:
         print(f"step times at position {info['timed_position']} (us; no CUDA graphs on CPU):")
         print(f"{'batch':>6} {'eager':>9} {'compiled':>9} {'eager/compiled':>14}")

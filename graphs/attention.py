@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
-from compile_ops.formats import get_format, new_cache
+from compile_ops.formats import new_cache
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.metadata import StepInputs, step_inputs
 from graphs.rope import apply_rope, rope_tables, yarn_inv_freq
@@ -308,8 +308,14 @@ class DSV41Attention(nn.Module):
         o = _rope_last(o, rd, cos, sin, inverse=True)
         groups = self.cfg.o_groups
         wo_a = self.wo_a.weight.view(groups, self.cfg.o_lora_rank, -1)
-        o = torch.matmul(o.view(T, groups, 1, -1), wo_a.transpose(1, 2))  # [T, G, 1, o_lora]
-        return self.wo_b(o.view(T, -1))
+        # One GEMM per group, batched over groups: [G, T, H*D/G] @ [G, H*D/G, o_lora]. (A
+        # matmul broadcasting wo_a over tokens would copy the 67 MB weight once per token.)
+        o = torch.bmm(o.view(T, groups, -1).transpose(0, 1), wo_a.transpose(1, 2))  # [G, T, o_lora]
+        # Gather the groups back token-major into a fresh contiguous [T, G, o_lora] tensor;
+        # ``reshape`` of the transposed view would add a guard on T == 1.
+        flat = o.new_empty(T, groups, o.shape[-1])
+        flat.copy_(o.transpose(0, 1))
+        return self.wo_b(flat.view(T, -1))
 
     def extra_repr(self) -> str:
         c = self.cache_cfg

@@ -77,9 +77,10 @@ def time_replay(graph: "torch.cuda.CUDAGraph", iters: int) -> float:
     return begin.elapsed_time(end) / iters * 1e3
 
 
-def kernel_time(fn: Callable[[], object], iters: int = 5) -> float:
+def kernel_time(fn: Callable[[], object], iters: int = 5, top: Optional[list] = None) -> float:
     """Sum of the GPU times of the kernels (and device memcpy/memset) ``fn`` runs, in
-    microseconds per call, from ``torch.profiler``; 0 if the profiler saw none."""
+    microseconds per call, from ``torch.profiler``; 0 if the profiler saw none. ``top``,
+    if given, receives the 8 costliest kernels as ``(name, us per call)``."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -89,8 +90,11 @@ def kernel_time(fn: Callable[[], object], iters: int = 5) -> float:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
-    return total / iters
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    if top is not None:
+        costly = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+        top.extend((e.key[:80], round(e.self_device_time_total / iters, 1)) for e in costly)
+    return sum(e.self_device_time_total for e in kernels) / iters
 
 
 def decode_inputs(batch: int, position: int, dim: int, device, seed: int = 0):
@@ -115,7 +119,7 @@ def time_batches(runner: DecodeRunner, eager: DecodeRunner, batches, position: i
         x, positions, req = decode_inputs(b, position, runner.layer.cfg.dim, device)
         bucket = runner.bucket_for(b)
         row = {"batch": b, "bucket": bucket}
-        row["eager_us"] = time_host(lambda: eager.step(x, positions, req), device, max(3, iters // 4))
+        row["eager_us"] = time_host(lambda: eager.step(x, positions, req), device, max(5, iters // 2))
 
         def compiled_step():
             runner.meta.update(positions, req, bucket=bucket)
@@ -127,10 +131,12 @@ def time_batches(runner: DecodeRunner, eager: DecodeRunner, batches, position: i
             row["step_us"] = time_host(lambda: runner.step(x, positions, req), device, replay_iters)
             row["replay_us"] = time_replay(runner.graphs[bucket], replay_iters)
             if b in profile_batches:
-                row["kernels_us"] = kernel_time(runner.graphs[bucket].replay)
+                row["top_kernels"] = []
+                row["kernels_us"] = kernel_time(runner.graphs[bucket].replay, top=row["top_kernels"])
                 row["kernels_from"] = "graph replay"
                 if not row["kernels_us"]:  # the profiler saw no kernels inside the graph
-                    row["kernels_us"] = kernel_time(compiled_step)
+                    row["top_kernels"] = []
+                    row["kernels_us"] = kernel_time(compiled_step, top=row["top_kernels"])
                     row["kernels_from"] = "compiled step without graph"
         rows.append(row)
     return rows

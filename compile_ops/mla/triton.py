@@ -45,7 +45,6 @@ LOG2E = 1.0 / math.log(2.0)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 BH = 64  # heads per program: the M of both products (wgmma needs 64 rows per warpgroup)
-BH_COMBINE = 16
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ class Config:
     bn: int = 64
     dsplit: int = 1
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 CONFIGS = {name: Config() for name in ("bf16", "fp8", "fp8_ds_mla", "fp8_dsv41")}
@@ -105,6 +104,7 @@ def _load_kv(p_row, p_scale, m_row, col0,
                 # [BN, 64]
                 b_rope = tl.load(p_rope[:, None] + o_r[None, :], mask=m_rope, other=0.0)
             b_k = tl.where(o_c == NQ, b_rope.to(tl.float32)[:, None, :], b_k)
+        # e4m3 * 2^k is exact in bf16
         b_k = tl.reshape(b_k, (BN, DW)).to(tl.bfloat16)
     return b_k
 
@@ -226,28 +226,29 @@ def _sparse_mla_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "H", "n_split", "has_sink"])
-def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, BH: tl.constexpr, ITERS: tl.constexpr):
-    """Merge ``n_split`` partials ``(o_r, L_r)`` and the sink: ``L = log2(sum 2^L_r + 2^sink)``."""
-    i_t, i_hb = tl.program_id(0), tl.program_id(1)
-    o_h = i_hb * BH + tl.arange(0, BH)
-    m_h = o_h < H
-    o_d = tl.arange(0, 512)
-    b_max = tl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
-    b_sink = b_max
-    for i_s in range(0, ITERS if ITERS > 0 else n_split):  # ITERS: the interpreter's trip count
-        b_max = tl.maximum(b_max, tl.load(part_lse + (i_s * T + i_t) * H + o_h, mask=m_h, other=float("-inf")))
+def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, NSP: tl.constexpr, DC: tl.constexpr):
+    """Merge the ``n_split`` partials ``(o_r, L_r)`` of one (token, head) and its sink:
+    ``L = log2(sum_r 2^L_r + 2^sink)``, ``out = sum_r 2^(L_r - L) o_r``. All partials are
+    loaded at once (``NSP >= n_split``), so the merge pays one memory latency, not n_split."""
+    i_th = tl.program_id(0)
+    i_t, i_h = i_th // H, i_th % H
+    o_s = tl.arange(0, NSP)
+    m_s = o_s < n_split
+    o_row = (o_s * T + i_t) * H + i_h
+    # [NSP]
+    b_lse = tl.load(part_lse + o_row, mask=m_s, other=float("-inf"))
+    b_sink = tl.load(sink + i_h + o_s * 0, mask=(o_s == 0) & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
+    b_max = tl.max(tl.maximum(b_lse, b_sink), 0)
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
-    b_den = tl.math.exp2(b_sink - b_max)
-    # [BH, 512]
-    b_acc = tl.zeros([BH, 512], dtype=tl.float32)
-    for i_s in range(0, ITERS if ITERS > 0 else n_split):
-        o_row = (i_s * T + i_t) * H + o_h
-        b_w = tl.math.exp2(tl.load(part_lse + o_row, mask=m_h, other=float("-inf")) - b_max)
-        b_den += b_w
-        b_acc += b_w[:, None] * tl.load(part_o + o_row[:, None] * 512 + o_d[None, :], mask=m_h[:, None], other=0.0)
-    b_o = tl.where(b_den[:, None] > 0, b_acc / b_den[:, None], 0.0)
-    tl.store(out + (i_t * H + o_h[:, None]) * 512 + o_d[None, :], b_o.to(tl.bfloat16), mask=m_h[:, None])
-    tl.store(lse + i_t * H + o_h, b_max + tl.log2(b_den), mask=m_h)
+    b_w = tl.math.exp2(b_lse - b_max)
+    b_den = tl.sum(b_w + tl.math.exp2(b_sink - b_max), 0)
+    b_w = tl.where(b_den > 0, b_w / b_den, 0.0)
+    for i_c in tl.static_range(512 // DC):
+        o_d = i_c * DC + tl.arange(0, DC)
+        # [NSP, DC]
+        b_o = tl.load(part_o + o_row[:, None] * 512 + o_d[None, :], mask=m_s[:, None], other=0.0)
+        tl.store(out + i_th * 512 + o_d, tl.sum(b_w[:, None] * b_o, 0).to(tl.bfloat16))
+    tl.store(lse + i_th, b_max + tl.log2(b_den))
 
 
 class _Scratch:
@@ -350,8 +351,8 @@ def sparse_mla_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if n_split > 1:
-        _combine_kernel[(T, triton.cdiv(H, BH_COMBINE))](
+        nsp = triton.next_power_of_2(n_split)
+        _combine_kernel[(T * H,)](
             buf.part_o, buf.part_lse, sink if sink is not None else lse, out, lse,
-            T, H, n_split, int(sink is not None), BH=BH_COMBINE, ITERS=n_split if INTERPRET else 0,
-            num_warps=4,
+            T, H, n_split, int(sink is not None), NSP=nsp, DC=min(512, max(32, 4096 // nsp)), num_warps=4,
         )
