@@ -86,9 +86,21 @@ def errors(out, lse, ref_out, ref_lse):
     return ((o - ro).abs() / tol).max().item(), (lse_err.max().item() / 1e-3 if lse.numel() else 0.0)
 
 
+def report(tag, out, lse, ref_out, ref_lse):
+    """One line of raw error figures (shown with ``pytest -s``), then the tolerance ratios."""
+    d = (out.float() - ref_out.float()).abs()
+    same_inf = torch.isinf(ref_lse) & (ref_lse == lse)
+    d_lse = torch.where(same_inf, 0.0, (lse - ref_lse).abs())
+    e_out, e_lse = errors(out, lse, ref_out, ref_lse)
+    if d.numel():
+        print(f"ERR {tag} max|dout|={d.max().item():.3g} max|dout|/max|ref|={(d.max() / ref_out.float().abs().max().clamp_min(1e-9)).item():.3g} "
+              f"max|dlse|={d_lse.max().item():.3g} out/tol={e_out:.3f} lse/tol={e_lse:.3f}")
+    return e_out, e_lse
+
+
 def check(args, **kw):
     out, lse, ref_out, ref_lse = run_both(args, **kw)
-    e_out, e_lse = errors(out, lse, ref_out, ref_lse)
+    e_out, e_lse = report(f"{args[9]} T={args[0].shape[0]} H={args[0].shape[1]}", out, lse, ref_out, ref_lse)
     assert e_out <= 1.0, f"out error {e_out:.3f} x tolerance"
     assert e_lse <= 1.0, f"lse error {e_lse:.3f} x tolerance"
 
@@ -219,5 +231,7 @@ def test_gpu_matches_flashmla(H, K, T):
         topk_length=cmp_lens, extra_topk_length=swa_lens, use_legacy=True,
     )
     fm_lse2 = torch.logaddexp(fm_lse.view(T, H), sink.view(1, H)) / math.log(2)  # + sink, base 2
-    e_out, e_lse = errors(out, lse, fm_out.view(T, H, 512), fm_lse2)
+    report(f"fp8_ds_mla-vs-reference T={T} H={H}", out, lse, ref_out, ref_lse)
+    report(f"flashmla-vs-reference T={T} H={H}", fm_out.view(T, H, 512), fm_lse2, ref_out, ref_lse)
+    e_out, e_lse = report(f"fp8_ds_mla-vs-flashmla T={T} H={H}", out, lse, fm_out.view(T, H, 512), fm_lse2)
     assert e_out <= 2.0 and e_lse <= 2.0, (e_out, e_lse)  # two bf16 roundings of P, one on each side

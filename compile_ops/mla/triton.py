@@ -15,7 +15,8 @@ How it is computed (sources of the technique):
 * Keys are gathered ``BN`` rows at a time through the slot -> (page, offset) map, dequantized
   in registers to bf16 (UE8M0 scale = exponent bits, so ``e4m3 * 2^e`` is exact in bf16),
   and consumed twice: ``S = Q K^T`` and ``O += P K`` (FlashMLA's Hopper FP8 sparse-decoding
-  notes: dequantize to bf16 once per tile, MMA in bf16).
+  notes: dequantize to bf16 once per tile, MMA in bf16). ``fp8``'s per-tensor ``kv_scale``
+  is folded into the score scale and the output instead, which is exact.
 * Online softmax in base 2 with a running max and sum (FlashAttention-2).
 * Small ``T``: the entries of a token are split over ``n_split`` programs whose partial
   ``(o, lse)`` land in a static per-device scratch and are merged by LSE in a second kernel,
@@ -24,6 +25,12 @@ How it is computed (sources of the technique):
 
 Empty rows give ``out = 0`` and ``lse = sink * log2(e)`` (``-inf`` without sink); entries
 that are ``-1``, past ``lens`` or outside their cache are masked and never read.
+
+Limits (H200 numbers and the reasons in ``docs/performance-sparse-mla.md`` and
+``docs/notes-sparse-mla.md``): with 64 heads Triton puts both warpgroups on M for
+``Q K^T`` (its chained-dot heuristic), so QK runs twice per program with n32 wgmma reading Q
+from shared memory; the fp8 formats add ~600 dequantization instructions per thread and
+64-row block. Result: 0.3-0.7x FlashMLA's fp8_ds_mla time.
 """
 
 from __future__ import annotations
@@ -312,7 +319,19 @@ def sparse_mla_triton(
     Same arguments as :func:`compile_ops.mla.reference.sparse_mla_reference`; ``n_split`` and
     ``config`` (keyword only, for tests and benchmarks) override the split-K count and the
     launch shape. Only shapes steer the launch, so the call is CUDA-graph capturable once the
-    device's scratch exists (the first call makes it).
+    device's scratch exists: the first call makes it (``num_sms * 64`` rows of 512 fp32,
+    17 MB on an H200), so call once before capturing.
+
+    Example (CUDA)::
+
+        >>> import torch, compile_ops
+        >>> from compile_ops.formats import new_cache
+        >>> cache = new_cache("fp8_dsv41", num_pages=4, page_size=64, device="cuda")
+        >>> q = torch.randn(2, 64, 512, dtype=torch.bfloat16, device="cuda")
+        >>> idx = torch.randint(0, 256, (2, 128), dtype=torch.int32, device="cuda")
+        >>> lens = torch.tensor([128, 7], dtype=torch.int32, device="cuda")
+        >>> with compile_ops.use_backends(sparse_mla="triton"):
+        ...     out, lse = compile_ops.sparse_mla(q, cache, idx, lens, None, None, None, None, 0.044, "fp8_dsv41")
     """
     T, H, _ = q.shape
     if T == 0 or H == 0:
