@@ -30,6 +30,7 @@ check them): ``bf16`` is exact for bf16 input (``2**-8 * |x|`` for fp32 input); 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -110,14 +111,18 @@ def new_cache(
     page_size: int,
     *,
     device=None,
-    page_gap: int = 0,
+    page_gap: Optional[int] = None,
 ) -> torch.Tensor:
     """A zeroed cache ``[num_pages, page_size, row_width]``.
 
     ``page_gap`` extra elements between pages make ``stride(0)`` larger than a page, as
-    when a cache is a view into a bigger pool.
+    when a cache is a view into a bigger pool. ``None`` (default) pads ``fp8_ds_mla`` pages
+    to a multiple of 576 bytes, the alignment FlashMLA's SM90 kernels need, and the other
+    formats not at all.
     """
     fmt = get_format(kv_format)
+    if page_gap is None:
+        page_gap = -(page_size * fmt.row_width) % 576 if kv_format == "fp8_ds_mla" else 0
     pool = torch.zeros(num_pages, page_size * fmt.row_width + page_gap, dtype=fmt.dtype, device=device)
     return pool[:, : page_size * fmt.row_width].view(num_pages, page_size, fmt.row_width)
 

@@ -173,5 +173,19 @@ def _sparse_mla_triton(*args):
     sparse_mla_triton(*args)
 
 
+def _flashmla_unavailable(device, kv_format):
+    from compile_ops.mla.flashmla import flashmla_unavailable
+
+    return flashmla_unavailable(device, kv_format)
+
+
+def _sparse_mla_flashmla(*args):
+    from compile_ops.mla.flashmla import sparse_mla_flashmla
+
+    sparse_mla_flashmla(*args)
+
+
+# FlashMLA before Triton: on the H200 it runs fp8_ds_mla 1.5-3.2x faster (docs/performance-sparse-mla.md)
+backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable, _sparse_mla_flashmla)
 backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _sparse_mla_triton)
 backends.register_backend("sparse_mla", "reference", backends.any_device, sparse_mla_reference)
