@@ -56,3 +56,21 @@ def test_dcp_step_nccl_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     launch(2, "nccl", gpu_plan())
+
+
+WIDE_WORLDS = [4, 8]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WIDE_WORLDS, ids=[f"world{w}" for w in WIDE_WORLDS])
+def test_dcp_step_gloo_wide_worlds(world):
+    """Issue 8 on CPU: 128 gathered heads over 4 and 8 gloo ranks, interleave 1 and 4, both
+    modes, eager (and torch.compile'd at world 4: eight concurrent compiles do not fit
+    the CI machine's two cores)."""
+    shape = Shape(T=6, H=128 // world, K=16, n_cmp=64)
+    plan = [
+        (shape, interleave, mode, ["eager", "compile"] if world == 4 and (interleave, mode) in ((1, "ag_rs"), (4, "a2a")) else ["eager"])
+        for interleave in (1, 4)
+        for mode in ("ag_rs", "a2a")
+    ]
+    launch(world, "gloo", plan)
