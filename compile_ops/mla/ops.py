@@ -185,6 +185,21 @@ def _sparse_mla_flashmla(*args):
     sparse_mla_flashmla(*args)
 
 
+def _flashinfer_unavailable(device, kv_format):
+    # the predicate module imports only torch; flashinfer itself is imported on first use
+    from compile_ops.mla.flashinfer import flashinfer_unavailable
+
+    return flashinfer_unavailable(device, kv_format)
+
+
+def _sparse_mla_flashinfer(*args):
+    from compile_ops.mla.flashinfer import sparse_mla_flashinfer
+
+    sparse_mla_flashinfer(*args)
+
+
+# FlashInfer before Triton: SM100/SM120 only (unverified on hardware, see docs/backends.md)
+backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable, _sparse_mla_flashinfer)
 # FlashMLA before Triton: on the H200 it runs fp8_ds_mla 1.5-3.2x faster (docs/performance-sparse-mla.md)
 backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable, _sparse_mla_flashmla)
 backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _sparse_mla_triton)

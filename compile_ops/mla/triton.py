@@ -43,6 +43,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.library import wrap_triton
 
 from compile_ops.formats import HEAD_DIM, get_format, num_slots
 
@@ -278,6 +280,13 @@ class _Scratch:
 _SCRATCH: dict[torch.device, _Scratch] = {}
 
 
+def scratch_size(device: torch.device) -> tuple[int, int]:
+    """``(num_sms, rows)`` of ``device``'s split-K scratch, without allocating it."""
+    device = torch.device(device)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return num_sms, num_sms * BH
+
+
 def scratch(device: torch.device) -> _Scratch:
     """The device's split-K scratch (allocate it before CUDA-graph capture by calling once)."""
     device = torch.device(device)
@@ -290,10 +299,18 @@ def scratch(device: torch.device) -> _Scratch:
 
 def choose_split(T: int, H: int, W: int, K: int, cfg: Config, num_sms: int, rows: int) -> int:
     """Programs per (token, head block, column half): enough to fill ``num_sms``, at most one
-    per block of ``bn`` entries; 1 once ``T`` alone fills the GPU."""
+    per block of ``bn`` entries; 1 once ``T`` alone fills the GPU. A symbolic ``T`` (a traced
+    launch, see :func:`_kernel`) gives a symbolic count and adds no guard."""
     progs = T * triton.cdiv(H, BH) * cfg.dsplit
     blocks = triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn)
-    return max(1, min(blocks, num_sms // progs, rows // (T * H)))
+    return torch.sym_max(1, torch.sym_min(blocks, torch.sym_min(num_sms // progs, rows // (T * H))))
+
+
+def _kernel(kernel, like: torch.Tensor):
+    """What to launch: ``kernel`` on real tensors; ``wrap_triton(kernel)`` when ``like`` is a
+    ``FunctionalTensor``, i.e. while ``lowering.inductor`` traces this launcher for Inductor
+    or ``torch.export``, so that the launch becomes a node of the traced graph."""
+    return wrap_triton(kernel) if isinstance(like, FunctionalTensor) else kernel
 
 
 def sparse_mla_triton(
@@ -344,10 +361,21 @@ def sparse_mla_triton(
     if cmp_cache is None:  # an empty second segment: K = 0, any valid pointers
         cmp_cache, cmp_indices, cmp_lens = swa_cache, swa_indices[:, :0], swa_lens
     W, K = swa_indices.shape[1], cmp_indices.shape[1]
-    buf = scratch(q.device)
+    traced = isinstance(q, FunctionalTensor)
+    if traced:  # partials of this launch only: a traced graph owns its buffers (no global cache)
+        num_sms, rows = scratch_size(q.device)
+    else:
+        buf = scratch(q.device)
+        num_sms, rows = buf.num_sms, buf.rows
     if n_split is None:
-        n_split = choose_split(T, H, W, K, cfg, buf.num_sms, buf.rows)
-    n_split = max(1, min(int(n_split), buf.rows // (T * H)))
+        n_split = choose_split(T, H, W, K, cfg, num_sms, rows)
+    else:
+        n_split = max(1, min(int(n_split), rows // (T * H)))
+    if traced:
+        part_o = torch.empty((n_split * T * H, HEAD_DIM), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((n_split * T * H,), dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = buf.part_o, buf.part_lse
     # fp8_ds_mla's bf16 RoPE values sit at odd addresses when a page stride is odd
     rope_bytes = fmt == 2 and any(c.stride(0) % 2 or c.storage_offset() % 2 for c in (swa_cache, cmp_cache))
     # power-of-two page sizes (the usual 64 / 256) map slots to pages with shifts
@@ -357,8 +385,10 @@ def sparse_mla_triton(
         pages = tuple(p.bit_length() - 1 for p in pages)
     kv_mul = float(kv_scale) if fmt == 1 else 1.0  # fp8: scores and output carry kv_scale
     iters = triton.cdiv(triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn), n_split) + 1 if INTERPRET else 0
-    _sparse_mla_kernel[(T * triton.cdiv(H, BH) * cfg.dsplit, n_split)](
-        q, out, lse, buf.part_o, buf.part_lse, sink if sink is not None else lse,
+    # without a sink the kernels get a never-read fp32 pointer that no output aliases
+    no_sink = part_lse
+    _kernel(_sparse_mla_kernel, q)[(T * triton.cdiv(H, BH) * cfg.dsplit, n_split)](
+        q, out, lse, part_o, part_lse, sink if sink is not None else no_sink,
         swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens,
         T, H, W, K, n_split, int(sink is not None), float(sm_scale) * LOG2E * kv_mul, kv_mul,
         q.stride(0), q.stride(1), swa_indices.stride(0), swa_indices.stride(1),
@@ -369,9 +399,14 @@ def sparse_mla_triton(
         PAGE_SHIFT=page_shift, ROPE_BYTES=bool(rope_bytes), UPCAST=INTERPRET, ITERS=iters,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if n_split > 1:
-        nsp = triton.next_power_of_2(n_split)
-        _combine_kernel[(T * H,)](
-            buf.part_o, buf.part_lse, sink if sink is not None else lse, out, lse,
-            T, H, n_split, int(sink is not None), NSP=nsp, DC=min(512, max(32, 4096 // nsp)), num_warps=4,
-        )
+    if isinstance(n_split, int):
+        if n_split == 1:
+            return
+        nsp, combine_rows = triton.next_power_of_2(n_split), T * H
+    else:  # symbolic (traced, dynamic T): no guard on n_split; an empty grid when it is 1
+        nsp = triton.next_power_of_2(triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn))
+        combine_rows = T * H * torch.sym_min(n_split - 1, 1)
+    _kernel(_combine_kernel, q)[(combine_rows,)](
+        part_o, part_lse, sink if sink is not None else no_sink, out, lse,
+        T, H, n_split, int(sink is not None), NSP=nsp, DC=min(512, max(32, 4096 // nsp)), num_warps=4,
+    )
