@@ -1,0 +1,153 @@
+"""CPU tests of ``lowering``: Inductor's code around the ops, reinplacing, export, AOTInductor.
+
+On the CPU the ops run their reference kernels and stay extern calls in Inductor's code
+(the Triton inlining is proven on the GPU by ``tests/gpu_lowering_check.py``). What is
+checked here: the compiled decode step calls the ops on the caches and step buffers
+themselves (no clone / copy around them), ``sparse_mla_out`` and ``write_kv`` are
+re-inplaced (``possibly_missed_reinplacing_opportunities == 0``), the decision of what is
+inlined, and ``torch.export`` + AOTInductor of the step against eager.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing import FileCheck
+
+import compile_ops
+import lowering
+from compile_ops.formats import new_cache
+from compile_ops.mla.ops import sparse_mla
+from compile_ops.slots.ops import swa_indices
+from graphs import TINY, CacheConfig, DecodeStep, DSV41Attention, StepMetadata
+from lowering.aoti import EngineStep, export_step, package_step, remaining_custom_ops
+from lowering.inductor import inline_triton, inlines
+
+RATIO = 2
+I32 = torch.int32
+
+
+def tiny_layer() -> DSV41Attention:
+    return DSV41Attention(TINY, CacheConfig(4, 4, 32, 4), compress_ratio=RATIO)
+
+
+def test_install_is_idempotent():
+    names = lowering.install()
+    assert names == lowering.install()
+    assert {"dsv41::sparse_mla", "dsv41::sparse_mla_out", "dsv41::topk_to_slots", "dsv41::swa_indices"} <= set(names)
+
+
+def test_inline_decision():
+    """Inlined only on CUDA with the Triton backend and inlining on (fake CUDA tensors)."""
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 512, dtype=torch.bfloat16, device="cuda")
+        ints = torch.empty(2, dtype=I32, device="cuda")
+    args = (q, None, None, None, None, None, None, None, 0.1)
+    with compile_ops.use_backends(sparse_mla="triton"):
+        assert inlines(sparse_mla, *args)
+        with inline_triton(False):
+            assert not inlines(sparse_mla, *args)
+    with compile_ops.use_backends(sparse_mla="reference"):
+        assert not inlines(sparse_mla, *args)
+    assert inlines(swa_indices, ints, ints, ints, 4, 8)
+    assert not inlines(sparse_mla, torch.empty(2, 4, 512, dtype=torch.bfloat16), *args[1:])
+
+
+def test_compiled_decode_step_calls_ops_in_place():
+    """The ops are called on the caches and the step's own buffers: no clone or copy."""
+    torch._dynamo.reset()
+    counters.clear()
+    layer = tiny_layer()
+    meta = StepMetadata.for_layer(layer)
+    meta.update(torch.tensor([0, 0], dtype=I32), torch.tensor([0, 1], dtype=I32), bucket=2)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(2, TINY.dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        got, (code,) = run_and_get_code(torch.compile(DecodeStep(layer, meta), fullgraph=True), x)
+        want = DecodeStep(twin, copy.deepcopy(meta))(x)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
+    # the SWA write, the window, the compressed write, top-k -> slots, attention, in order;
+    # write_kv gets the cache buffer itself (a graph input), not a copy of it
+    (FileCheck()
+     .check_regex(r"torch\.ops\.dsv41\.write_kv\.default\(arg\d+_1,")
+     .check("torch.ops.dsv41.swa_indices.default(")
+     .check_regex(r"torch\.ops\.dsv41\.write_kv\.default\(arg\d+_1,")
+     .check("torch.ops.dsv41.topk_to_slots.default(")
+     .check_regex(r"torch\.ops\.dsv41\.sparse_mla\.default\(buf\d+, arg\d+_1,")
+     .run(code))
+    FileCheck().check_not("clone").check_not(".copy_(").check_not("aten.contiguous").run(code)
+
+
+def _attention_inputs():
+    gen = torch.Generator().manual_seed(1)
+    cache = new_cache("bf16", num_pages=4, page_size=4)
+    kv = torch.randn(3, 512, generator=gen)
+    slots = torch.tensor([1, 6, -1], dtype=I32)
+    q = torch.randn(3, 4, 512, generator=gen).to(torch.bfloat16)
+    idx = torch.tensor([[1, 6, 2], [6, -1, -1], [0, 1, 6]], dtype=I32)
+    lens = torch.tensor([2, 1, 3], dtype=I32)
+    sink = torch.randn(4, generator=gen)
+    return cache, slots, kv, q, idx, lens, sink
+
+
+def _write_then_attend(cache, slots, kv, q, idx, lens, sink, out, lse):
+    compile_ops.write_kv(cache, slots, kv, "bf16")
+    compile_ops.sparse_mla_out(q, cache, idx, lens, None, None, None, sink, 0.05, "bf16", 1.0, out, lse)
+    return out.float().sum()
+
+
+def test_out_ops_reinplaced():
+    """``write_kv`` (cache) and ``sparse_mla_out`` (out, lse) write caller-owned buffers in place."""
+    torch._dynamo.reset()
+    counters.clear()
+    args = _attention_inputs()
+    out, lse = torch.empty(3, 4, 512, dtype=torch.bfloat16), torch.empty(3, 4)
+    eager = copy.deepcopy((*args, out, lse))
+    _write_then_attend(*eager)
+    _, (code,) = run_and_get_code(torch.compile(_write_then_attend, fullgraph=True), *args, out, lse)
+    assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
+    for name, got, want in (("cache", args[0], eager[0]), ("out", out, eager[-2]), ("lse", lse, eager[-1])):
+        torch.testing.assert_close(got, want, msg=name)
+    (FileCheck()
+     .check_regex(r"torch\.ops\.dsv41\.write_kv\.default\(arg0_1,")
+     .check_regex(r"torch\.ops\.dsv41\.sparse_mla_out\.default\(arg\d+_1, arg0_1,")
+     .check("'bf16', 1.0, arg7_1, arg8_1)")  # out and lse: the caller's buffers
+     .run(code))
+    FileCheck().check_not("clone").check_not(".copy_(").run(code)
+
+
+def test_export_step_reference_ops():
+    """On the CPU every op stays a call (reference kernels); ``T`` is dynamic in [1, max_tokens]."""
+    program = export_step(tiny_layer())
+    assert remaining_custom_ops(program) == [
+        "dsv41.sparse_mla.default", "dsv41.swa_indices.default", "dsv41.topk_to_slots.default", "dsv41.write_kv.default",
+    ]
+    (T,) = [s for s in program.range_constraints.values()]
+    assert (T.lower, T.upper) == (1, 4)
+
+
+def test_aoti_package_decodes_like_eager(tmp_path):
+    """The ``.pt2`` (reference ops through the proxy executor) runs 6 steps of 1-4 tokens
+    like the eager layer; its caches and state live in the package and persist."""
+    layer = tiny_layer()
+    meta = StepMetadata.for_layer(layer)
+    eager, fresh = EngineStep(copy.deepcopy(layer)), copy.deepcopy(layer)
+    model = torch._inductor.aoti_load_package(package_step(layer, str(tmp_path / "step.pt2"), meta=meta))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for step, T in enumerate((2, 3, 4, 1, 3, 4)):
+            x = torch.randn(T, TINY.dim, generator=gen).to(torch.bfloat16)
+            pos = torch.full((T,), step, dtype=I32)
+            args = (x, pos, torch.arange(T, dtype=I32), pos + 1, meta.swa_block_table, meta.cmp_block_table)
+            got, want = model(*args), eager(*args)
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= 2e-2 * want.float().abs().max().item(), f"step {step} (T={T}): max error {err}"
+        # the comparison means something: without the earlier steps' caches the output differs
+        stateless = EngineStep(fresh)(*args)
+        assert (stateless.float() - want.float()).abs().max() > 0.1
