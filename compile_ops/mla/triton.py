@@ -65,9 +65,6 @@ class Config:
     dsplit: int = 1
     num_warps: int = 8
     num_stages: int = 3
-    # 1: the transposed kernel (`_sparse_mla_t_kernel`): gathered rows in M, heads in N;
-    # needs bn = 128, dsplit = 1, num_warps = 8. 0 (default): heads in M (`_sparse_mla_kernel`).
-    trans: int = 0
 
 
 CONFIGS = {name: Config() for name in ("bf16", "fp8", "fp8_ds_mla", "fp8_dsv41")}
@@ -237,157 +234,6 @@ def _sparse_mla_kernel(
         tl.store(part_lse + o_row, b_lse, mask=m_lse)
 
 
-@triton.jit
-def _load_kv_t(p_row, p_scale, m_row, col0,
-               FMT: tl.constexpr, BN: tl.constexpr, DW: tl.constexpr, ROPE_BYTES: tl.constexpr):
-    """``_load_kv`` for the transposed kernel: fp8_ds_mla in 32-wide sub-blocks (two per scale
-    byte, RoPE values selected per sub-block) so that its tile takes the same register layout
-    as fp8_dsv41's, which Triton feeds to the MMA without a second shared-memory copy."""
-    if FMT != 2:
-        b_k = _load_kv(p_row, p_scale, m_row, col0, FMT, BN, DW, ROPE_BYTES)
-    else:
-        NQ: tl.constexpr = 14  # 448 e4m3 values = 14 sub-blocks of 32, then 64 bf16 RoPE values
-        o_c = col0 // 32 + tl.arange(0, DW // 32)[None, :, None]
-        o_d = tl.arange(0, 32)[None, None, :]
-        m_q = m_row[:, None, None] & (o_c < NQ)
-        # [BN, DW // 32, 32]
-        b_x = tl.load(p_row[:, None, None] + o_c * 32 + o_d, mask=m_q, other=0)
-        b_e = tl.load(p_scale[:, None, None] + (o_c >> 1), mask=m_q, other=127)
-        b_scale = (b_e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        b_k = b_x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_scale
-        if col0 + DW > 448:
-            m_r = m_row[:, None, None] & (o_c >= NQ)
-            o_r = (o_c - NQ) * 32 + o_d
-            if ROPE_BYTES:  # odd page stride: the bf16 values are not 2-byte aligned
-                p_lo = p_row[:, None, None] + 448 + 2 * o_r
-                b_lo = tl.load(p_lo, mask=m_r, other=0).to(tl.uint16)
-                b_hi = tl.load(p_lo + 1, mask=m_r, other=0).to(tl.uint16)
-                b_rope = ((b_hi << 8) | b_lo).to(tl.bfloat16, bitcast=True)
-            else:
-                p_rope = (p_row + 448).to(tl.pointer_type(tl.bfloat16))
-                b_rope = tl.load(p_rope[:, None, None] + o_r, mask=m_r, other=0.0)
-            b_k = b_k + b_rope.to(tl.float32)  # the other side is 0 in each sub-block
-        b_k = tl.reshape(b_k, (BN, DW)).to(tl.bfloat16)
-    return b_k
-
-
-@triton.jit(
-    do_not_specialize=[
-        "T", "H", "W", "K", "n_split", "has_sink", "s_swa_t", "s_cmp_t",
-        "swa_page", "swa_slots", "cmp_page", "cmp_slots",
-    ]
-)
-def _sparse_mla_t_kernel(
-    q, out, lse, part_o, part_lse, sink,
-    swa_kv, swa_idx, swa_len, cmp_kv, cmp_idx, cmp_len,
-    T, H, W, K, n_split, has_sink, qk_scale, kv_scale,
-    s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
-    swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
-    FMT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
-    PAGE_SHIFT: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr, ITERS: tl.constexpr,
-):
-    """``Config.trans = 1``: the same math as ``_sparse_mla_kernel``, transposed.
-
-    ``S^T = K Q^T`` puts the ``BN = 128`` gathered rows in M (8 warps = 2 warpgroups x 64 rows,
-    so no warpgroup computes another's scores) and the ``BH = 64`` heads in N; the softmax
-    statistics are per column (reduced over the row axis); ``O^T += V^T P^T`` has the 512
-    output columns in M (2 warpgroups x 256), heads in N and the ``BN`` rows as its K. Keys
-    are gathered and dequantized in two column halves ``[BN, 256]`` so that only half a tile
-    of dequantized values is live in registers before it goes to shared memory.
-    """
-    DH: tl.constexpr = 256
-    i_p, i_s = tl.program_id(0), tl.program_id(1)
-    n_hb = tl.cdiv(H, BH)
-    i_t, i_hb = i_p // n_hb, i_p % n_hb
-    o_h = i_hb * BH + tl.arange(0, BH)
-    m_h = o_h < H
-    o_d = tl.arange(0, DH)
-    p_q = q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :]
-    # [BH, DH]: the two column halves of q
-    b_q0 = tl.load(p_q, mask=m_h[:, None], other=0.0)
-    b_q1 = tl.load(p_q + DH, mask=m_h[:, None], other=0.0)
-    if UPCAST:
-        b_q0 = b_q0.to(tl.float32)
-        b_q1 = b_q1.to(tl.float32)
-
-    n_swa = tl.minimum(tl.maximum(tl.load(swa_len + i_t), 0), W)
-    n_cmp = tl.minimum(tl.maximum(tl.load(cmp_len + i_t), 0), K)
-    nb_swa = tl.cdiv(n_swa, BN)
-    nb = nb_swa + tl.cdiv(n_cmp, BN)
-    i_b0 = i_s * nb // n_split
-    i_b1 = (i_s + 1) * nb // n_split
-
-    b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BH], dtype=tl.float32)
-    # [BH, DH]: O, one accumulator per column half
-    b_acc0 = tl.zeros([BH, DH], dtype=tl.float32)
-    b_acc1 = tl.zeros([BH, DH], dtype=tl.float32)
-    for i_i in range(0, ITERS if ITERS > 0 else i_b1 - i_b0):
-        i_b = i_b0 + i_i
-        is_swa = i_b < nb_swa
-        o_n = tl.where(is_swa, i_b, i_b - nb_swa) * BN + tl.arange(0, BN)
-        p_idx = tl.where(is_swa, swa_idx + i_t * s_swa_t, cmp_idx + i_t * s_cmp_t)
-        s_n = tl.where(is_swa, s_swa_n, s_cmp_n)
-        n_len = tl.where(is_swa, n_swa, n_cmp)
-        n_slots = tl.where(is_swa, swa_slots, cmp_slots)
-        page = tl.where(is_swa, swa_page, cmp_page)
-        stride = tl.where(is_swa, swa_stride, cmp_stride)
-        kv = tl.where(is_swa, swa_kv, cmp_kv)
-        b_slot = tl.load(p_idx + o_n * s_n, mask=(o_n < n_len) & (i_b < i_b1), other=-1)
-        m_n = (b_slot >= 0) & (b_slot < n_slots)
-        b_slot = tl.where(m_n, b_slot, 0)
-        if PAGE_SHIFT:
-            p_page = kv + (b_slot >> page).to(tl.int64) * stride
-            b_off = b_slot & ((1 << page) - 1)
-            page = 1 << page
-        else:
-            p_page = kv + (b_slot // page).to(tl.int64) * stride
-            b_off = b_slot % page
-        p_row = p_page + b_off * DATA
-        p_scale = p_page + page * DATA + b_off * SCALE
-        # [BN, DH] x 2
-        b_k0 = _load_kv_t(p_row, p_scale, m_n, 0, FMT, BN, DH, ROPE_BYTES)
-        b_k1 = _load_kv_t(p_row, p_scale, m_n, DH, FMT, BN, DH, ROPE_BYTES)
-        if UPCAST:
-            b_k0 = b_k0.to(tl.float32)
-            b_k1 = b_k1.to(tl.float32)
-        # [BN, BH] = K Q^T
-        b_s = tl.dot(b_k1, tl.trans(b_q1), tl.dot(b_k0, tl.trans(b_q0)))
-        b_s = tl.where(m_n[:, None], b_s * qk_scale, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 0))
-        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.math.exp2(b_s - b_m_use[None, :])
-        b_alpha = tl.math.exp2(b_m - b_m_use)
-        b_l = b_l * b_alpha + tl.sum(b_p, 0)
-        if not UPCAST:
-            b_p = b_p.to(tl.bfloat16)
-        # [BH, DH] += P V
-        b_pt = tl.trans(b_p)
-        b_acc0 = b_acc0 * b_alpha[:, None] + tl.dot(b_pt, b_k0)
-        b_acc1 = b_acc1 * b_alpha[:, None] + tl.dot(b_pt, b_k1)
-        b_m = b_m_new
-
-    b_r = tl.where(b_l > 0, kv_scale / b_l, 0.0)
-    b_lse = tl.where(b_l > 0, tl.where(b_m == float("-inf"), 0.0, b_m) + tl.log2(b_l), float("-inf"))
-    if n_split == 1:
-        b_sink = tl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
-        b_max = tl.maximum(b_lse, b_sink)
-        b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
-        b_all = b_max + tl.log2(tl.math.exp2(b_lse - b_max) + tl.math.exp2(b_sink - b_max))
-        b_w = tl.where(b_all == float("-inf"), 0.0, tl.math.exp2(b_lse - b_all))
-        b_r = b_r * b_w
-        p_out = out + (i_t * H + o_h[:, None]) * 512 + o_d[None, :]
-        tl.store(p_out, (b_acc0 * b_r[:, None]).to(tl.bfloat16), mask=m_h[:, None])
-        tl.store(p_out + DH, (b_acc1 * b_r[:, None]).to(tl.bfloat16), mask=m_h[:, None])
-        tl.store(lse + i_t * H + o_h, b_all, mask=m_h)
-    else:
-        o_row = (i_s * T + i_t) * H + o_h
-        p_po = part_o + o_row[:, None] * 512 + o_d[None, :]
-        tl.store(p_po, b_acc0 * b_r[:, None], mask=m_h[:, None])
-        tl.store(p_po + DH, b_acc1 * b_r[:, None], mask=m_h[:, None])
-        tl.store(part_lse + o_row, b_lse, mask=m_h)
-
-
 @triton.jit(do_not_specialize=["T", "H", "n_split", "has_sink"])
 def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, NSP: tl.constexpr, DC: tl.constexpr):
     """Merge the ``n_split`` partials ``(o_r, L_r)`` of one (token, head) and its sink:
@@ -550,22 +396,12 @@ def sparse_mla_triton(
         pages[0], swa_cache.stride(0), num_slots(swa_cache),
         pages[1], cmp_cache.stride(0), num_slots(cmp_cache),
     )
-    if cfg.trans:
-        if cfg.dsplit != 1:
-            raise ValueError(f"Config.trans = 1 needs dsplit = 1, got {cfg}")
-        _kernel(_sparse_mla_t_kernel, q)[(T * triton.cdiv(H, BH), n_split)](
-            *launch_args,
-            FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=cfg.bn,
-            PAGE_SHIFT=page_shift, ROPE_BYTES=bool(rope_bytes), UPCAST=INTERPRET, ITERS=iters,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    else:
-        _kernel(_sparse_mla_kernel, q)[(T * triton.cdiv(H, BH) * cfg.dsplit, n_split)](
-            *launch_args,
-            FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=cfg.dsplit,
-            PAGE_SHIFT=page_shift, ROPE_BYTES=bool(rope_bytes), UPCAST=INTERPRET, ITERS=iters,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+    _kernel(_sparse_mla_kernel, q)[(T * triton.cdiv(H, BH) * cfg.dsplit, n_split)](
+        *launch_args,
+        FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=cfg.dsplit,
+        PAGE_SHIFT=page_shift, ROPE_BYTES=bool(rope_bytes), UPCAST=INTERPRET, ITERS=iters,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     if isinstance(n_split, int):
         if n_split == 1:
             return
