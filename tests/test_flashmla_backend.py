@@ -13,7 +13,14 @@ import torch
 
 import compile_ops
 from compile_ops.formats import new_cache, num_slots, write_kv
-from compile_ops.mla.flashmla import flashmla_indices, flashmla_unavailable, lse_from_flashmla, padded_heads
+from compile_ops.mla.flashmla import (
+    bound_indices,
+    flashmla_indices,
+    flashmla_unavailable,
+    lse_from_flashmla,
+    padded_heads,
+    write_outputs,
+)
 from compile_ops.mla.reference import sparse_mla_reference
 
 from test_mla_triton import errors, make_indices
@@ -52,6 +59,36 @@ def test_lse_conversion(sink):
     for got, nat in zip(lse[0].tolist(), [0.0, 2.0, -math.inf, -math.inf]):
         want = math.log2(math.exp(nat) + math.exp(s)) if max(nat, s) > -math.inf else -math.inf
         assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("width", [0, 5, 64, 130])
+def test_bound_indices_kernel_matches_the_torch_translation(width):
+    gen = torch.Generator().manual_seed(width)
+    idx = torch.randint(-3, 50, (4, width + 3), generator=gen, dtype=i32)[:, :width]  # strided rows
+    lens = torch.tensor([-1, 0, width, width + 7], dtype=i32)
+    got, got_lens = bound_indices(idx, lens, n_slots=40)
+    want, want_lens = flashmla_indices(idx, lens, n_slots=40)
+    assert torch.equal(got, want) and torch.equal(got_lens, want_lens)
+
+
+@pytest.mark.parametrize("sink", [None, "finite", "-inf"])
+def test_write_outputs_kernel_matches_the_torch_translation(sink):
+    gen = torch.Generator().manual_seed(7)
+    T, H_pad, n, h0, H = 3, 64, 37, 5, 50
+    fm_out = torch.randn(T, 1, H_pad, 512, generator=gen).bfloat16()
+    fm_lse = torch.randn(T, H_pad, 1, generator=gen) * 3
+    fm_lse[0, :4] = math.inf  # FlashMLA's empty rows
+    fm_lse[1, 2] = -math.inf
+    fm_lse[2, 3] = math.nan
+    sink_t = {None: None, "finite": torch.randn(H, generator=gen), "-inf": torch.full((H,), -math.inf)}[sink]
+    out = torch.full((T, H, 512), 7.0, dtype=torch.bfloat16)
+    lse = torch.full((T, H), 7.0)
+    write_outputs(fm_out, fm_lse, sink_t, out, lse, h0, n)
+    want_lse, non_empty = lse_from_flashmla(fm_lse.view(T, H_pad)[:, :n], None if sink_t is None else sink_t[h0 : h0 + n])
+    torch.testing.assert_close(lse[:, h0 : h0 + n], want_lse, rtol=1e-6, atol=1e-6)
+    want_out = torch.where(non_empty.unsqueeze(-1), fm_out[:, 0, :n], 0)
+    assert torch.equal(out[:, h0 : h0 + n], want_out)
+    assert out[:, :h0].eq(7).all() and out[:, h0 + n :].eq(7).all() and lse[:, :h0].eq(7).all()
 
 
 def flashmla_case(T, H, K, seed, page=64, W=128):

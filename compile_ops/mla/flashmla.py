@@ -19,6 +19,11 @@ Runs on SM90 (H100/H200) and reads ``fp8_ds_mla`` caches only. The translation:
   a captured CUDA graph replays correctly when lengths change between replays.
 * Its pages must be a multiple of 576 bytes apart (``cache.stride(0) % 576 == 0``);
   :func:`compile_ops.formats.new_cache` lays ``fp8_ds_mla`` caches out that way.
+
+The translation runs as two small Triton kernels (one before FlashMLA for each index
+segment, one after it for the outputs), so the backend adds three launches to FlashMLA's
+own (schedule + decode + split merge); the plain-torch helpers below state the same
+translation and are what the CPU tests check the kernels against.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 FLASHMLA_HEADS = (64, 128)
 INDEX_BLOCK = 64
@@ -78,6 +85,73 @@ def lse_from_flashmla(lse_natural: torch.Tensor, sink: Optional[torch.Tensor]) -
     return natural / math.log(2.0), non_empty
 
 
+@triton.jit
+def _bound_indices_kernel(idx_ptr, stride_t, stride_k, lens_ptr, out_ptr, out_lens_ptr, width, n_slots,
+                          PADDED: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``t``: slots outside ``[0, n_slots)`` -> -1, columns ``width..PADDED`` -> -1, lens clamped."""
+    i_t = tl.program_id(0).to(tl.int64)
+    for i_c in range(PADDED // BLOCK):
+        o_k = i_c * BLOCK + tl.arange(0, BLOCK)
+        # [BLOCK]
+        b_idx = tl.load(idx_ptr + i_t * stride_t + o_k * stride_k, mask=o_k < width, other=-1)
+        b_idx = tl.where((b_idx >= 0) & (b_idx < n_slots), b_idx, -1)
+        tl.store(out_ptr + i_t * PADDED + o_k, b_idx)
+    b_len = tl.load(lens_ptr + i_t)
+    tl.store(out_lens_ptr + i_t, tl.minimum(tl.maximum(b_len, 0), width))
+
+
+@triton.jit
+def _outputs_kernel(fm_out_ptr, fm_lse_ptr, sink_ptr, out_ptr, lse_ptr, H_pad, H_out, h0, n_heads,
+                    HAS_SINK: tl.constexpr, BH: tl.constexpr, D: tl.constexpr):
+    """Token ``t``, heads ``[h, h + BH)`` of a chunk: base-2 LSE with the sink, zeroed empty rows."""
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_h = i_h * BH + tl.arange(0, BH)
+    m_h = o_h < n_heads
+    o_d = tl.arange(0, D)
+    # [BH] natural-log LSE without the sink; FlashMLA marks an empty row non-finite
+    b_nat = tl.load(fm_lse_ptr + i_t * H_pad + o_h, mask=m_h, other=float("-inf"))
+    m_row = (b_nat == b_nat) & (tl.abs(b_nat) < float("inf"))
+    b_nat = tl.where(m_row, b_nat, float("-inf"))
+    if HAS_SINK:
+        b_sink = tl.load(sink_ptr + h0 + o_h, mask=m_h, other=float("-inf"))
+        b_max = tl.maximum(b_nat, b_sink)
+        b_safe = tl.where(b_max > float("-inf"), b_max, 0.0)
+        b_nat = b_safe + tl.log(tl.exp(b_nat - b_safe) + tl.exp(b_sink - b_safe))
+    tl.store(lse_ptr + i_t * H_out + h0 + o_h, b_nat * 1.4426950408889634, mask=m_h)
+    # [BH, D]
+    b_o = tl.load(fm_out_ptr + (i_t * H_pad + o_h[:, None]) * D + o_d[None, :], mask=m_h[:, None], other=0.0)
+    b_o = tl.where(m_row[:, None], b_o, 0.0)
+    tl.store(out_ptr + (i_t * H_out + h0 + o_h[:, None]) * D + o_d[None, :], b_o.to(out_ptr.dtype.element_ty), mask=m_h[:, None])
+
+
+def bound_indices(indices: torch.Tensor, lens: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flashmla_indices` as one Triton launch."""
+    T, width = indices.shape
+    padded = max(INDEX_BLOCK, -(-width // INDEX_BLOCK) * INDEX_BLOCK)
+    out = torch.empty(T, padded, dtype=torch.int32, device=indices.device)
+    out_lens = torch.empty(T, dtype=torch.int32, device=indices.device)
+    if T:
+        _bound_indices_kernel[(T,)](
+            indices, indices.stride(0), indices.stride(1), lens, out, out_lens, width, n_slots,
+            PADDED=padded, BLOCK=INDEX_BLOCK, num_warps=1,
+        )
+    return out, out_lens
+
+
+def write_outputs(fm_out, fm_lse, sink, out, lse, h0: int, n_heads: int) -> None:
+    """:func:`lse_from_flashmla` and the zeroing of empty rows, written into ``out`` / ``lse``
+    heads ``[h0, h0 + n_heads)``, as one Triton launch. ``fm_out`` is ``[T, 1, H_pad, 512]``,
+    ``fm_lse`` ``[T, H_pad, 1]``, both contiguous."""
+    T, H_pad = fm_out.shape[0], fm_out.shape[2]
+    if T == 0:
+        return
+    bh = 8
+    _outputs_kernel[(T, triton.cdiv(n_heads, bh))](
+        fm_out, fm_lse, sink if sink is not None else fm_lse, out, lse, H_pad, out.shape[1], h0, n_heads,
+        HAS_SINK=sink is not None, BH=bh, D=512, num_warps=4,
+    )
+
+
 def sparse_mla_flashmla(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse):
     """Fill ``out`` / ``lse`` through ``flash_mla.flash_mla_with_kvcache(..., use_legacy=True)``."""
     import flash_mla
@@ -90,28 +164,24 @@ def sparse_mla_flashmla(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indi
                 "with compile_ops.formats.new_cache or choose another backend with use_backends"
             )
     T, H, _ = q.shape
-    swa = flashmla_indices(swa_indices, swa_lens, swa_cache.shape[0] * swa_cache.shape[1])
+    swa_idx, swa_n = bound_indices(swa_indices, swa_lens, swa_cache.shape[0] * swa_cache.shape[1])
     if cmp_cache is None:
-        main_cache, (main_idx, main_lens), extra = swa_cache, swa, {}
+        main_cache, main_idx, main_n, extra = swa_cache, swa_idx, swa_n, {}
     else:
         main_cache = cmp_cache
-        main_idx, main_lens = flashmla_indices(cmp_indices, cmp_lens, cmp_cache.shape[0] * cmp_cache.shape[1])
-        extra = dict(
-            extra_k_cache=swa_cache.unsqueeze(2),
-            extra_indices_in_kvcache=swa[0].unsqueeze(1),
-            extra_topk_length=swa[1],
-        )
+        main_idx, main_n = bound_indices(cmp_indices, cmp_lens, cmp_cache.shape[0] * cmp_cache.shape[1])
+        extra = dict(extra_k_cache=swa_cache.unsqueeze(2), extra_indices_in_kvcache=swa_idx.unsqueeze(1), extra_topk_length=swa_n)
     for h0 in range(0, H, FLASHMLA_HEADS[-1]):
         h1 = min(H, h0 + FLASHMLA_HEADS[-1])
         pad = padded_heads(h1 - h0) - (h1 - h0)
-        q_chunk = F.pad(q[:, h0:h1], (0, 0, 0, pad)).contiguous()
-        sink_chunk = None if sink is None else F.pad(sink[h0:h1], (0, pad), value=-math.inf)
-        sched, _ = flash_mla.get_mla_metadata()
+        q_chunk = q[:, h0:h1]
+        if pad or not q_chunk.is_contiguous():
+            q_chunk = F.pad(q_chunk, (0, 0, 0, pad)).contiguous()
+        sink_chunk = None if sink is None else (F.pad(sink[h0:h1], (0, pad), value=-math.inf) if pad else sink[h0:h1])
+        sched, _ = flash_mla.get_mla_metadata()  # fresh: its schedule depends on the lengths' values
         fm_out, fm_lse = flash_mla.flash_mla_with_kvcache(
             q_chunk.unsqueeze(1), main_cache.unsqueeze(2), None, None, 512, sched,
             softmax_scale=sm_scale, is_fp8_kvcache=True, indices=main_idx.unsqueeze(1),
-            attn_sink=sink_chunk, topk_length=main_lens, use_legacy=True, **extra,
+            attn_sink=sink_chunk, topk_length=main_n, use_legacy=True, **extra,
         )
-        chunk_lse, non_empty = lse_from_flashmla(fm_lse.view(T, -1)[:, : h1 - h0], None if sink is None else sink[h0:h1])
-        lse[:, h0:h1] = chunk_lse
-        out[:, h0:h1] = torch.where(non_empty.unsqueeze(-1), fm_out.view(T, -1, 512)[:, : h1 - h0], 0)
+        write_outputs(fm_out.contiguous(), fm_lse.contiguous(), sink, out, lse, h0, h1 - h0)

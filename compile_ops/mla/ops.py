@@ -174,8 +174,12 @@ def _sparse_mla_triton(*args):
 
 
 def _flashmla_unavailable(device, kv_format):
-    from compile_ops.mla.flashmla import flashmla_unavailable
-
+    if device.type != "cuda":  # decided before importing the backend module, which imports triton
+        return f"FlashMLA runs on CUDA devices only, got {device.type}"
+    try:
+        from compile_ops.mla.flashmla import flashmla_unavailable
+    except ImportError as err:
+        return f"the flashmla backend needs triton ({err})"
     return flashmla_unavailable(device, kv_format)
 
 
