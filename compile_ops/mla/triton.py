@@ -137,6 +137,9 @@ def _sparse_mla_kernel(
     # program (token t, head block, column half) x split: with DSPLIT = 2 two programs share
     # the scores of a head block and each owns 256 of the 512 output columns
     DV: tl.constexpr = 512 // DSPLIT
+    # Inductor passes Python floats to user kernels as fp64 scalars: keep the math in fp32
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    kv_scale = tl.cast(kv_scale, tl.float32)
     i_p, i_s = tl.program_id(0), tl.program_id(1)
     n_hb = tl.cdiv(H, BH)
     i_dv, i_p = i_p % DSPLIT, i_p // DSPLIT
