@@ -204,7 +204,8 @@ def _sparse_mla_flashinfer(*args):
 
 # FlashInfer before Triton: SM100/SM120 only (unverified on hardware, see docs/backends.md)
 backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable, _sparse_mla_flashinfer)
-# FlashMLA before Triton: on the H200 it runs fp8_ds_mla 1.5-3.2x faster (docs/performance-sparse-mla.md)
+# FlashMLA before Triton: on the H200, behind this op, it runs fp8_ds_mla up to 2.6x faster from
+# T = 128 on (slower at T = 1; docs/performance-sparse-mla.md)
 backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable, _sparse_mla_flashmla)
 backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _sparse_mla_triton)
 backends.register_backend("sparse_mla", "reference", backends.any_device, sparse_mla_reference)
