@@ -132,13 +132,9 @@ def num_slots(cache: torch.Tensor) -> int:
 
 
 def _page_bytes(cache: torch.Tensor) -> torch.Tensor:
-    """``[num_pages, page_bytes]`` uint8 view of ``cache`` honouring its page stride."""
-    raw = cache.view(torch.uint8)
-    elem = cache.element_size()
-    pages, page_size, width = cache.shape
-    return raw.as_strided(
-        (pages, page_size * width * elem), (raw.stride(0), 1), raw.storage_offset()
-    )
+    """``[num_pages, page_bytes]`` uint8 view of ``cache`` honouring its page stride (a view,
+    since each page is contiguous; no ``as_strided``, so torch.compile traces it)."""
+    return cache.view(torch.uint8).flatten(1)
 
 
 def _row_byte_index(fmt: KVFormat, page_size: int, offset: torch.Tensor) -> torch.Tensor:

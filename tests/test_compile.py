@@ -85,3 +85,25 @@ dsv41.sparse_mla.default""",
         bound = 3 * 2**-8 * both_out.float().abs().amax(-1, keepdim=True)
         assert ((out.float() - both_out.float()).abs() <= bound).all()
         torch.testing.assert_close(lse, both_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_kernel_itself_compiles_whole():
+    """The plain-torch reference (the benchmark's torch.compile peer) traces with no break,
+    every format's byte gathers included."""
+    from compile_ops.mla.reference import sparse_mla_reference
+
+    def attend(q, swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink):
+        out = torch.empty(q.shape, dtype=torch.bfloat16)
+        lse = torch.empty(q.shape[:2])
+        sparse_mla_reference(q, swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink, 0.05, "fp8_dsv41", 1.0, out, lse)
+        return out, lse
+
+    q, positions, token_to_req, swa_table, topk, cmp_table, is_valid, swa_cache, cmp_cache, sink = inputs(3)
+    swa_idx, swa_lens = compile_ops.swa_indices(positions, token_to_req, swa_table, PAGE, WINDOW)
+    cmp_idx, cmp_lens = compile_ops.topk_to_slots(topk, token_to_req, cmp_table, BLOCK, is_valid)
+    args = (q, swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink)
+    torch._dynamo.reset()
+    got = torch.compile(attend, fullgraph=True)(*args)
+    want = attend(*args)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=2**-7)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
