@@ -104,10 +104,12 @@ def use_backends(**choices: str) -> Iterator[BackendConfig]:
 
 
 def any_device(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
+    """Predicate of backends that run everywhere (the plain-torch reference)."""
     return None
 
 
 def cuda_with_triton(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
+    """Predicate of the Triton backends: a CUDA device and an importable triton."""
     if device.type != "cuda":
         return f"Triton kernels run on CUDA devices only, got {device.type}"
     try:

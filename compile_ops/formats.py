@@ -128,6 +128,7 @@ def new_cache(
 
 
 def num_slots(cache: torch.Tensor) -> int:
+    """Token rows of a paged cache: ``num_pages * page_size`` (valid slots are below it)."""
     return cache.shape[0] * cache.shape[1]
 
 

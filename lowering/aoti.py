@@ -88,6 +88,7 @@ def remaining_custom_ops(program: ExportedProgram) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m lowering.aoti --out step.pt2``: export and package the decode step."""
     parser = argparse.ArgumentParser(prog="python -m lowering.aoti", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="package path (.pt2)")
     parser.add_argument("--config", default="tiny", choices=sorted(PRESETS))
