@@ -60,11 +60,12 @@ def dcp_combine_ag_rs(out: torch.Tensor, lse: torch.Tensor, group_name: str, wor
     c10d = _c10d()
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(lse.contiguous(), world, group_name))
     weights, merged = lse_weights(gathered.view(world, T, H_all))
-    rank_weight = weights[_rank(group_name)]
+    rank = _rank(group_name)
+    rank_weight = weights[rank]
     scaled = torch.where(rank_weight.unsqueeze(-1) > 0, out.float() * rank_weight.unsqueeze(-1), 0.0)
     by_slice = scaled.to(out.dtype).view(T, world, H, D).transpose(0, 1).contiguous()
     reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(by_slice, "sum", world, group_name))
-    mine = merged.view(T, world, H)[:, _rank(group_name)]
+    mine = merged.view(T, world, H)[:, rank]
     return reduced.view(T, H, D), mine.contiguous()
 
 

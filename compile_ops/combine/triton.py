@@ -28,20 +28,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.library import wrap_triton
+
+from compile_ops._launch import launchable
 
 from compile_ops.combine.reference import _c10d, _rank
 
 TILE = 4096  # elements of one [BLOCK_N, BLOCK_D] tile
 ALIGN = 16  # bytes; row alignment of the a2a pack
-
-
-def _kernel(kernel, like: torch.Tensor):
-    """What to launch: ``kernel`` on real tensors; ``wrap_triton(kernel)`` when ``like`` is a
-    ``FunctionalTensor``, i.e. while ``lowering.inductor`` traces this launcher for Inductor
-    or ``torch.export``, so that the launch becomes a node of the traced graph."""
-    return wrap_triton(kernel) if isinstance(like, FunctionalTensor) else kernel
 
 
 @triton.jit
@@ -151,7 +144,7 @@ def lse_combine_triton(partial_out: torch.Tensor, partial_lse: torch.Tensor):
     if T * H == 0:
         return out, lse
     BLOCK_N, BLOCK_D, D_CHUNKS = _tiles(N, D, TILE)
-    _kernel(_lse_combine_kernel, partial_out)[(T * H,)](
+    launchable(_lse_combine_kernel, partial_out)[(T * H,)](
         partial_out, *partial_out.stride(),
         partial_lse, *partial_lse.stride(),
         out, lse,

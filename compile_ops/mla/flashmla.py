@@ -22,8 +22,7 @@ Runs on SM90 (H100/H200) and reads ``fp8_ds_mla`` caches only. The translation:
 
 The translation runs as two small Triton kernels (one before FlashMLA for each index
 segment, one after it for the outputs), so the backend adds three launches to FlashMLA's
-own (schedule + decode + split merge); the plain-torch helpers below state the same
-translation and are what the CPU tests check the kernels against.
+own (schedule + decode + split merge).
 """
 
 from __future__ import annotations
@@ -66,25 +65,6 @@ def padded_heads(heads: int) -> int:
     return next(h for h in FLASHMLA_HEADS if heads <= h)
 
 
-def flashmla_indices(indices: torch.Tensor, lens: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our ``[T, N]`` slots + lens -> FlashMLA's: out-of-range -> -1, width padded to 64, lens clamped."""
-    width = indices.shape[1]
-    valid = (indices >= 0) & (indices < n_slots)
-    safe = torch.where(valid, indices, -1)
-    target = max(INDEX_BLOCK, -(-width // INDEX_BLOCK) * INDEX_BLOCK)
-    padded = F.pad(safe, (0, target - width), value=-1)
-    return padded.contiguous(), lens.clamp(0, width).to(torch.int32)
-
-
-def lse_from_flashmla(lse_natural: torch.Tensor, sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashMLA's natural-log LSE without sink ``[T, H]`` -> (our base-2 LSE with sink, non-empty mask)."""
-    non_empty = torch.isfinite(lse_natural)
-    natural = torch.where(non_empty, lse_natural, -math.inf)
-    if sink is not None:
-        natural = torch.logaddexp(natural, sink.view(1, -1))
-    return natural / math.log(2.0), non_empty
-
-
 @triton.jit
 def _bound_indices_kernel(idx_ptr, stride_t, stride_k, lens_ptr, out_ptr, out_lens_ptr, width, n_slots,
                           PADDED: tl.constexpr, BLOCK: tl.constexpr):
@@ -125,7 +105,9 @@ def _outputs_kernel(fm_out_ptr, fm_lse_ptr, sink_ptr, out_ptr, lse_ptr, H_pad, H
 
 
 def bound_indices(indices: torch.Tensor, lens: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`flashmla_indices` as one Triton launch."""
+    """Our ``[T, N]`` slots + lens -> FlashMLA's, in one launch: slots outside
+    ``[0, n_slots)`` -> -1, width padded with -1 to a multiple of 64 (at least 64), lens
+    clamped to ``[0, N]``."""
     T, width = indices.shape
     padded = max(INDEX_BLOCK, -(-width // INDEX_BLOCK) * INDEX_BLOCK)
     out = torch.empty(T, padded, dtype=torch.int32, device=indices.device)
@@ -139,8 +121,9 @@ def bound_indices(indices: torch.Tensor, lens: torch.Tensor, n_slots: int) -> tu
 
 
 def write_outputs(fm_out, fm_lse, sink, out, lse, h0: int, n_heads: int) -> None:
-    """:func:`lse_from_flashmla` and the zeroing of empty rows, written into ``out`` / ``lse``
-    heads ``[h0, h0 + n_heads)``, as one Triton launch. ``fm_out`` is ``[T, 1, H_pad, 512]``,
+    """FlashMLA's natural-log LSE without sink -> our base-2 LSE with the sink, and its output
+    zeroed on empty (non-finite LSE) rows, written into ``out`` / ``lse`` heads
+    ``[h0, h0 + n_heads)`` in one launch. ``fm_out`` is ``[T, 1, H_pad, 512]``,
     ``fm_lse`` ``[T, H_pad, 1]``, both contiguous."""
     T, H_pad = fm_out.shape[0], fm_out.shape[2]
     if T == 0:

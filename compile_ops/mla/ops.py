@@ -100,8 +100,10 @@ def sparse_mla(
     kv_format: str = "bf16",
     kv_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
+    _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
     out, lse = _new_outputs(q)
-    sparse_mla_out(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse)
+    _, impl = backends.resolve("sparse_mla", q.device, kv_format)
+    impl(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse)
     return out, lse
 
 

@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.library import wrap_triton
 
+from compile_ops._launch import launchable
 from compile_ops.formats import HEAD_DIM, get_format, num_slots
 
 LOG2E = 1.0 / math.log(2.0)
@@ -309,13 +309,6 @@ def choose_split(T: int, H: int, W: int, K: int, cfg: Config, num_sms: int, rows
     return torch.sym_max(1, torch.sym_min(blocks, torch.sym_min(num_sms // progs, rows // (T * H))))
 
 
-def _kernel(kernel, like: torch.Tensor):
-    """What to launch: ``kernel`` on real tensors; ``wrap_triton(kernel)`` when ``like`` is a
-    ``FunctionalTensor``, i.e. while ``lowering.inductor`` traces this launcher for Inductor
-    or ``torch.export``, so that the launch becomes a node of the traced graph."""
-    return wrap_triton(kernel) if isinstance(like, FunctionalTensor) else kernel
-
-
 def sparse_mla_triton(
     q: torch.Tensor,
     swa_cache: torch.Tensor,
@@ -399,7 +392,7 @@ def sparse_mla_triton(
         pages[0], swa_cache.stride(0), num_slots(swa_cache),
         pages[1], cmp_cache.stride(0), num_slots(cmp_cache),
     )
-    _kernel(_sparse_mla_kernel, q)[(T * triton.cdiv(H, BH) * cfg.dsplit, n_split)](
+    launchable(_sparse_mla_kernel, q)[(T * triton.cdiv(H, BH) * cfg.dsplit, n_split)](
         *launch_args,
         FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=cfg.dsplit,
         PAGE_SHIFT=page_shift, ROPE_BYTES=bool(rope_bytes), UPCAST=INTERPRET, ITERS=iters,
@@ -412,7 +405,7 @@ def sparse_mla_triton(
     else:  # symbolic (traced, dynamic T): no guard on n_split; an empty grid when it is 1
         nsp = triton.next_power_of_2(triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn))
         combine_rows = T * H * torch.sym_min(n_split - 1, 1)
-    _kernel(_combine_kernel, q)[(combine_rows,)](
+    launchable(_combine_kernel, q)[(combine_rows,)](
         part_o, part_lse, sink if sink is not None else no_sink, out, lse,
         T, H, n_split, int(sink is not None), NSP=nsp, DC=min(512, max(32, 4096 // nsp)), num_warps=4,
     )

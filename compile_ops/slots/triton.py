@@ -24,17 +24,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.library import wrap_triton
+
+from compile_ops._launch import launchable
 
 MAX_BLOCK = 2048
-
-
-def _kernel(kernel, like: torch.Tensor):
-    """What to launch: ``kernel`` on real tensors; ``wrap_triton(kernel)`` when ``like`` is a
-    ``FunctionalTensor``, i.e. while ``lowering.inductor`` traces this launcher for Inductor
-    or ``torch.export``, so that the launch becomes a node of the traced graph."""
-    return wrap_triton(kernel) if isinstance(like, FunctionalTensor) else kernel
 
 
 @triton.jit
@@ -123,7 +116,7 @@ def _launch_topk(topk, token_to_req, block_table, block_size, is_valid, rank, wo
         return slots, lens.zero_()
     R, B = block_table.shape
     BLOCK, num_warps = _block(K, block)
-    _kernel(_topk_to_slots_kernel, topk)[(T,)](
+    launchable(_topk_to_slots_kernel, topk)[(T,)](
         topk, topk.stride(0), topk.stride(1),
         token_to_req.contiguous(), is_valid.to(torch.uint8),  # a bool -> uint8 bitcast does not lower in Inductor
         block_table, block_table.stride(0), block_table.stride(1),
@@ -156,7 +149,7 @@ def swa_indices_triton(positions, token_to_req, block_table, page_size, window, 
         return indices, lens
     R, B = block_table.shape
     BLOCK, num_warps = _block(window, block)
-    _kernel(_swa_indices_kernel, positions)[(T,)](
+    launchable(_swa_indices_kernel, positions)[(T,)](
         positions.contiguous(), token_to_req.contiguous(),
         block_table, block_table.stride(0), block_table.stride(1),
         indices, lens,
