@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from compile_ops import backends
 from compile_ops._checks import check_tensor
 
 HEAD_DIM = 512
@@ -239,11 +240,8 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, kv_form
     fmt = _check_write(cache, slots, kv, kv_format, kv_scale)
     if num_slots(cache) == 0 or slots.shape[0] == 0:
         return
-    page, offset, valid = _locate(cache, slots)
-    pages = _page_bytes(cache)
-    index = (page.unsqueeze(-1).expand(-1, fmt.bytes_per_token), _row_byte_index(fmt, cache.shape[1], offset))
-    delta = (encode_rows(kv, kv_format, kv_scale) - pages[index]) * valid.unsqueeze(-1)
-    pages.index_put_(index, delta, accumulate=True)
+    _, impl = backends.resolve("slots", cache.device)
+    impl.write_rows(cache, slots, encode_rows(kv, kv_format, kv_scale), fmt)
 
 
 @write_kv.register_fake
@@ -254,9 +252,10 @@ def _(cache, slots, kv, kv_format, kv_scale=1.0):
 write_kv.__doc__ = """Quantize ``kv [N, 512]`` and write row ``i`` to slot ``slots[i]`` of ``cache``, in place.
 
 ``slots`` is ``[N]`` int32/int64; rows whose slot is ``-1`` or out of range are skipped
-(CUDA-graph padding tokens) with no host sync: the write adds byte deltas with
-``index_put_(accumulate=True)`` and a skipped row adds zero. Two valid rows with the
-same slot leave that slot's bytes undefined.
+(CUDA-graph padding tokens) with no host sync and their memory is never written. Two
+valid rows with the same slot leave that slot's bytes undefined. The rows are encoded by
+:func:`encode_rows` and stored by the ``"slots"`` backend: a Triton kernel on CUDA (one
+masked store per row), ``index_put_`` of byte deltas elsewhere.
 
 Example::
 

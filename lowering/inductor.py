@@ -9,8 +9,10 @@ body under the mode; the Triton launchers see ``FunctionalTensor`` arguments and
 through :func:`torch.library.wrap_triton`, so the traced graph holds
 ``triton_kernel_wrapper_functional`` nodes that Inductor (and AOTInductor) compile into
 their own generated code next to the fused kernels around them, with no dispatcher call.
-Anywhere else (CPU, the reference backend, FlashMLA / FlashInfer backends, ``dcp_combine``
-and ``write_kv``, which have no Triton path) the rule falls through and the op stays an
+``write_kv`` (the ``"slots"`` family) inlines as its torch quantizer, which Inductor fuses,
+plus the Triton row store, so an AOTInductor package of the decode step on CUDA calls no
+``dsv41`` op at all. Anywhere else (CPU, the reference backend, FlashMLA / FlashInfer
+backends, and ``dcp_combine``, whose collectives stay calls) the rule falls through and the op stays an
 opaque node: Inductor calls it as an extern kernel (``torch.ops.dsv41.*``), the reference
 being the CPU kernel. This is the mechanism of ``torch.library.triton_op``, applied only
 where the Triton backend is the one that runs.
@@ -42,6 +44,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 
 from compile_ops import backends
 from compile_ops.combine.ops import lse_combine
+from compile_ops.formats import write_kv
 from compile_ops.mla.ops import sparse_mla, sparse_mla_out
 from compile_ops.slots.ops import dcp_topk_to_slots, swa_indices, topk_to_slots
 
@@ -53,6 +56,7 @@ INLINED_OPS: dict[CustomOpDef, tuple[str, str, Optional[str]]] = {
     dcp_topk_to_slots: ("slots", "topk", None),
     swa_indices: ("slots", "positions", None),
     lse_combine: ("combine", "partial_out", None),
+    write_kv: ("slots", "cache", None),
 }
 
 _state = threading.local()

@@ -56,6 +56,15 @@ def test_inline_decision():
         assert not inlines(sparse_mla, *args)
     assert inlines(swa_indices, ints, ints, ints, 4, 8)
     assert not inlines(sparse_mla, torch.empty(2, 4, 512, dtype=torch.bfloat16), *args[1:])
+    with FakeTensorMode():
+        cache = torch.empty(2, 4, 528, dtype=torch.uint8, device="cuda")
+        kv = torch.empty(2, 512, dtype=torch.bfloat16, device="cuda")
+    assert inlines(compile_ops.write_kv, cache, ints, kv, "fp8_dsv41")
+    with inline_triton(False):
+        assert not inlines(compile_ops.write_kv, cache, ints, kv, "fp8_dsv41")
+    with compile_ops.use_backends(slots="reference"):
+        assert not inlines(compile_ops.write_kv, cache, ints, kv, "fp8_dsv41")
+    assert not inlines(compile_ops.write_kv, new_cache("fp8_dsv41", num_pages=2, page_size=4), ints.cpu(), kv.cpu(), "fp8_dsv41")
 
 
 def test_compiled_decode_step_calls_ops_in_place():
@@ -151,3 +160,23 @@ def test_aoti_package_decodes_like_eager(tmp_path):
         # the comparison means something: without the earlier steps' caches the output differs
         stateless = EngineStep(fresh)(*args)
         assert (stateless.float() - want.float()).abs().max() > 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41"])
+def test_write_kv_compiles_into_inductor_code_on_cuda(kv_format):
+    """On CUDA ``write_kv`` is traced (torch quantizer + Triton row store), so Inductor's code
+    calls no ``dsv41`` op and copies no cache; the bytes equal eager's (``-1`` rows write
+    nothing)."""
+    torch._dynamo.reset()
+    counters.clear()
+    cache = new_cache(kv_format, num_pages=8, page_size=64, device="cuda")
+    cache.view(torch.uint8).copy_(torch.randint(0, 256, cache.view(torch.uint8).shape, dtype=torch.uint8))
+    want = cache.clone()
+    slots = torch.tensor([3, -1, 130, 511, 64, -1, 200], dtype=I32, device="cuda")
+    kv = torch.randn(7, 512, device="cuda").to(torch.bfloat16)
+    compile_ops.write_kv(want, slots, kv, kv_format)
+    _, (code,) = run_and_get_code(torch.compile(compile_ops.write_kv, fullgraph=True), cache, slots, kv, kv_format)
+    FileCheck().check_not("torch.ops.dsv41").check_not("clone").run(code)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0

@@ -1,4 +1,5 @@
-"""Slot conversion ops: ``topk_to_slots``, ``dcp_topk_to_slots``, ``swa_indices``.
+"""Slot conversion ops: ``topk_to_slots``, ``dcp_topk_to_slots``, ``swa_indices``; the
+``"slots"`` backends also store ``write_kv``'s rows (:mod:`compile_ops.formats`).
 
 Shape legend: ``T`` tokens, ``K`` top-k columns, ``R`` requests, ``B`` pages per request
 row of a block table, ``W`` the SWA window. A slot is ``page * page_size + offset``; ``-1``
@@ -16,6 +17,7 @@ from compile_ops.slots.reference import (
     dcp_topk_to_slots_reference,
     swa_indices_reference,
     topk_to_slots_reference,
+    write_rows_reference,
 )
 
 
@@ -100,6 +102,7 @@ class _Reference:
     topk_to_slots = staticmethod(topk_to_slots_reference)
     dcp_topk_to_slots = staticmethod(dcp_topk_to_slots_reference)
     swa_indices = staticmethod(swa_indices_reference)
+    write_rows = staticmethod(write_rows_reference)
 
 
 class _Triton:
@@ -123,6 +126,12 @@ class _Triton:
         from compile_ops.slots.triton import swa_indices_triton
 
         return swa_indices_triton(*args)
+
+    @staticmethod
+    def write_rows(*args):
+        from compile_ops.slots.triton import write_rows_triton
+
+        return write_rows_triton(*args)
 
 
 backends.register_backend("slots", "triton", backends.cuda_with_triton, _Triton)

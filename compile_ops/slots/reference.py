@@ -1,5 +1,6 @@
-"""Plain-torch slot conversion: the meaning of ``topk_to_slots``, ``dcp_topk_to_slots`` and
-``swa_indices`` (int64 math, CPU and CUDA, no host syncs)."""
+"""Plain-torch slot conversion and slot writes: the meaning of ``topk_to_slots``,
+``dcp_topk_to_slots``, ``swa_indices`` and of ``write_kv``'s row store (int64 math, CPU and
+CUDA, no host syncs)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,15 @@ def compressed_slot_mapping(positions, token_to_req, block_table, block_size, co
     page = block_table[torch.where(ok, req, 0), torch.where(ok, page_index, 0)].long()
     ok = ok & (page >= 0)
     return torch.where(ok, page * block_size + entry % block_size, -1).to(torch.int32)
+
+
+def write_rows_reference(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fmt) -> None:
+    """Store encoded rows ``rows [N, bytes_per_token]`` uint8 at ``slots [N]`` of ``cache``
+    (``fmt``'s page layout), skipping ``-1`` / out-of-range slots with no host sync: byte
+    deltas are added with ``index_put_(accumulate=True)`` and a skipped row adds zero."""
+    from compile_ops.formats import _locate, _page_bytes, _row_byte_index
+
+    page, offset, valid = _locate(cache, slots)
+    pages = _page_bytes(cache)
+    index = (page.unsqueeze(-1).expand(-1, fmt.bytes_per_token), _row_byte_index(fmt, cache.shape[1], offset))
+    pages.index_put_(index, (rows - pages[index]) * valid.unsqueeze(-1), accumulate=True)
