@@ -14,7 +14,9 @@ so that consecutive calls read different rows) are captured once, the graph is r
 microseconds, TFLOP/s (``4 T H A 512``, ``A = 128 + K`` attended entries), GB/s of KV rows,
 and % of roofline ``max(flops / 790e12, bytes / 4.3e12)`` (bytes: KV rows + indices + q,
 out and lse, each once). Writes ``sparse_mla.csv``, ``sparse_mla.md`` and ``sparse_mla.png``
-to ``--out``.
+to ``--out``. ``--profile-T`` adds, for those T, each kernel's device time per call (ours
+and FlashMLA's, from ``torch.profiler`` over eager calls) to ``sparse_mla_kernels.csv``:
+where a call's time goes when it is latency-bound.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def parse(argv):
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--sets", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--profile-T", default="", help="T at which to list per-kernel device times ('' = none)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="bench-out")
     return p.parse_args(argv)
@@ -80,6 +83,20 @@ def cycle_timer(device, calls, reps):
         return (time.perf_counter() - t0) * 1e6 / len(fns)
 
     return time_graph if device.type == "cuda" else time_wall
+
+
+def kernel_times(fn, iters=20):
+    """``{kernel name: device microseconds per call}`` of ``fn`` (eager, ``torch.profiler``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / iters for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0}
 
 
 def make_caches(kv_format, slots, device, gen):
@@ -129,6 +146,8 @@ def main(argv=None):
     device = torch.device(args.device)
     Ts = [int(t) for t in args.T.split(",") if t]
     ref_Ts = {int(t) for t in args.ref_T.split(",") if t}
+    profile_Ts = {int(t) for t in args.profile_T.split(",") if t}
+    kernel_rows = []
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     configs = [mla_triton.Config(*map(int, c.split(":"))) for c in args.configs.split(",") if c] or [None]
@@ -196,6 +215,14 @@ def main(argv=None):
                     with compile_ops.use_backends(sparse_mla="flashmla"):  # FlashMLA behind our op
                         us = timer([ours("fp8_ds_mla", None, a) for a in sets])
                     rows.append(dict(H=H, K=K, T=T, impl="dsv41 op [flashmla backend]", kv_format="fp8_ds_mla", us=us))
+                if T in profile_Ts and device.type == "cuda":
+                    fns = [(f"ours {fmt}", ours(fmt, None, sets[0])) for fmt in formats]
+                    if flash_mla is not None and "fp8_ds_mla" in formats:
+                        sched, _ = flash_mla.get_mla_metadata()
+                        fns.append(("flashmla fp8_ds_mla", flashmla(sets[0], sched)))
+                    for impl, fn in fns:
+                        for kernel, us in kernel_times(fn).items():
+                            kernel_rows.append(dict(H=H, K=K, T=T, impl=impl, kernel=kernel[:80], us=round(us, 2)))
                 if T in ref_Ts and "bf16" in formats:
                     q, si, sl, ci, cl = sets[0]
                     t0 = time.perf_counter()
@@ -221,6 +248,13 @@ def main(argv=None):
         r["kv_gbps"] = kv_bytes / r["us"] / 1e3
         r["pct_roofline"] = 100 * roof / (r["us"] * 1e-6)
     report(rows, args.out)
+    if kernel_rows:
+        with open(os.path.join(args.out, "sparse_mla_kernels.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, list(kernel_rows[0]))
+            w.writeheader()
+            w.writerows(kernel_rows)
+        for r in kernel_rows:
+            print(f"H={r['H']} K={r['K']} T={r['T']} {r['impl']:>22}: {r['us']:8.2f} us  {r['kernel']}")
     return 0
 
 
