@@ -8,12 +8,13 @@ and every call updates them in place, like the eager layer. :func:`export_step` 
 ``torch.export`` with a dynamic token count ``T in [1, max_tokens]`` and :func:`package_step`
 compiles that with ``torch._inductor.aoti_compile_and_package``; load the result with
 ``torch._inductor.aoti_load_package`` (Python) or ``torch::inductor::AOTIModelPackageLoader``
-(C++), see ``docs/lowering.md``.
+(C++), see ``docs/lowering.md``; to capture the loaded step in a CUDA graph, load it with
+``run_single_threaded=True`` (the default runner synchronises on events).
 
-On CUDA the Triton paths of ``sparse_mla`` and the slot ops are compiled into the package
-(:mod:`lowering.inductor`); ops left opaque (``write_kv``; every op on CPU, where the
-reference kernels run) are called through AOTInductor's proxy executor, i.e. through the
-dispatcher, so the process must have ``compile_ops`` imported.
+On CUDA the Triton paths of ``sparse_mla``, the slot ops and ``write_kv`` are compiled into
+the package (:mod:`lowering.inductor`), which then calls no ``dsv41`` op; ops left opaque
+(every op on CPU, where the reference kernels run) are called through AOTInductor's proxy
+executor, i.e. through the dispatcher, so the process must have ``compile_ops`` imported.
 
 CLI: ``python -m lowering.aoti --out step.pt2 [--config tiny] [--ratio 2] [--device cuda]``.
 """
