@@ -118,7 +118,8 @@ def test_write_rows(kv_format, page_size, page_gap):
     cache.view(torch.uint8).copy_(noise)
     want = cache.clone()
     n = 5 * page_size
-    slots = torch.tensor([n - 1, -1, 0, n, n // 2, -7, 1 % n], dtype=I32, device=DEVICE)
+    # every other entry of a longer tensor: a strided int64 slots argument
+    slots = torch.tensor([n - 1, 9, -1, 9, 0, 9, n, 9, n // 2, 9, -7, 9, 1 % n], device=DEVICE)[::2]
     rows = encode_rows(torch.randn(7, 512, device=DEVICE), kv_format)
     write_rows_triton(cache, slots, rows, KV_FORMATS[kv_format])
     reference.write_rows_reference(want, slots, rows, KV_FORMATS[kv_format])

@@ -100,13 +100,13 @@ def _swa_indices_kernel(
 
 @triton.jit
 def _write_rows_kernel(
-    cache_ptr, stride_cp, rows_ptr, slots_ptr, n_slots, page_size,
+    cache_ptr, stride_cp, rows_ptr, slots_ptr, stride_s, n_slots, page_size,
     DATA: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # one program stores one row; DATA / SCALE are the row's data and scale widths in cache
     # elements (a page holds its data rows, then its scale rows)
     i_n = tl.program_id(0).to(tl.int64)
-    b_slot = tl.load(slots_ptr + i_n).to(tl.int64)
+    b_slot = tl.load(slots_ptr + i_n * stride_s).to(tl.int64)
     m_row = (b_slot >= 0) & (b_slot < n_slots)
     b_slot = tl.where(m_row, b_slot, 0)
     b_page = b_slot // page_size
@@ -125,7 +125,7 @@ def write_rows_triton(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tens
     rows = rows.contiguous().view(cache.dtype)
     data, scale = fmt.data_bytes // size, fmt.scale_bytes // size
     launchable(_write_rows_kernel, cache)[(slots.shape[0],)](
-        cache, cache.stride(0), rows, slots, cache.shape[0] * cache.shape[1], cache.shape[1],
+        cache, cache.stride(0), rows, slots, slots.stride(0), cache.shape[0] * cache.shape[1], cache.shape[1],
         DATA=data, SCALE=scale, BLOCK=triton.next_power_of_2(data + scale),
     )
 
