@@ -106,35 +106,16 @@ class _Reference:
 
 
 class _Triton:
-    """The Triton kernels of :mod:`compile_ops.slots.triton`, imported on first use (so that
-    ``import compile_ops`` does not import triton)."""
+    """The Triton kernels of :mod:`compile_ops.slots.triton` (``<op>_triton``), imported on
+    first use so that ``import compile_ops`` does not import triton."""
 
-    @staticmethod
-    def topk_to_slots(*args):
-        from compile_ops.slots.triton import topk_to_slots_triton
+    def __getattr__(self, name):
+        from compile_ops.slots import triton as kernels
 
-        return topk_to_slots_triton(*args)
-
-    @staticmethod
-    def dcp_topk_to_slots(*args):
-        from compile_ops.slots.triton import dcp_topk_to_slots_triton
-
-        return dcp_topk_to_slots_triton(*args)
-
-    @staticmethod
-    def swa_indices(*args):
-        from compile_ops.slots.triton import swa_indices_triton
-
-        return swa_indices_triton(*args)
-
-    @staticmethod
-    def write_rows(*args):
-        from compile_ops.slots.triton import write_rows_triton
-
-        return write_rows_triton(*args)
+        return getattr(kernels, f"{name}_triton")
 
 
-backends.register_backend("slots", "triton", backends.cuda_with_triton, _Triton)
+backends.register_backend("slots", "triton", backends.cuda_with_triton, _Triton())
 backends.register_backend("slots", "reference", backends.any_device, _Reference)
 
 topk_to_slots.__doc__ = """Convert request-local compressed top-k ids to compacted cache slots (DCP world 1).
