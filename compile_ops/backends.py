@@ -11,7 +11,7 @@ Choose with the module-level :data:`config` or, scoped, with :func:`use_backends
     import compile_ops
     with compile_ops.use_backends(sparse_mla="reference"):
         out, lse = compile_ops.sparse_mla(...)
-    compile_ops.backend_for("sparse_mla", torch.device("cuda"), "fp8")   # -> "triton"
+    compile_ops.backend_for("sparse_mla", torch.device("cuda"), "fp8")   # -> "gluon" on sm_90
 
 The choice is read when an op runs (or when a CUDA graph is captured), not when a
 function is compiled: a captured graph keeps the backend it was captured with.

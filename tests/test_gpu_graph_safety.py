@@ -9,7 +9,7 @@ from compile_ops.formats import KV_FORMATS, new_cache, write_kv
 from test_compile import decode_step, inputs
 
 pytestmark = pytest.mark.gpu
-BACKENDS = ["reference", "auto"]
+BACKENDS = ["reference", "triton", "auto"]  # auto: Gluon sparse_mla on sm_90
 
 
 def on_cuda(args):

@@ -1,8 +1,10 @@
-"""Triton sparse MLA (``compile_ops.mla.triton``) against the plain-torch reference.
+"""Triton sparse MLA (``compile_ops.mla.triton``, ``compile_ops.mla.gluon``) against the reference.
 
-CPU: the kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1) on tiny
-shapes. GPU (``pytest -m gpu``): shapes and formats across the issue's cross product,
-CUDA-graph capture with new indices on replay, and FlashMLA on the same fp8_ds_mla caches.
+CPU: the ``tl`` kernel runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1) on
+tiny shapes (Gluon has no interpreter). GPU (``pytest -m gpu``), for both kernels (the
+warp-specialized Gluon one on sm_90 only): shapes and formats across the issue's cross
+product, CUDA-graph capture with new indices on replay, and FlashMLA on the same
+fp8_ds_mla caches.
 
 Tolerances (max over every element, relative to the reference's fp32 math on the same
 dequantized keys): keys dequantize exactly to bf16 (e4m3 times a power of two), so the error
@@ -23,6 +25,17 @@ from compile_ops.mla import triton as mla_triton
 from compile_ops.mla.reference import sparse_mla_reference
 
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41"]
+# GPU tests run each kernel: its backend name and the launch config that selects it
+KERNELS = {"triton": None, "gluon": mla_triton.GLUON}
+
+
+def needs(backend):
+    """Skip unless ``backend`` can run sparse_mla on this machine's GPU."""
+    with compile_ops.use_backends(sparse_mla=backend):
+        try:
+            compile_ops.backend_for("sparse_mla", torch.device("cuda"))
+        except ValueError as err:
+            pytest.skip(str(err))
 
 
 def make_cache(kv_format, num_pages, page_size, page_gap=0, kv_scale=1.0, device="cpu", gen=None):
@@ -167,22 +180,40 @@ GPU_SHAPES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("kv_format", FORMATS)
 @pytest.mark.parametrize("H,K,T,page_size", GPU_SHAPES, ids=[f"H{h}-K{k}-T{t}-p{p}" for h, k, t, p in GPU_SHAPES])
-def test_gpu_matches_reference(kv_format, H, K, T, page_size):
+def test_gpu_matches_reference(kv_format, H, K, T, page_size, backend):
+    needs(backend)
     args = make_case(kv_format, T, H, 128, K, page_size, device="cuda", seed=H + K + T, pool_pages=4096 // page_size + 3)
-    check(args)
+    check(args, config=KERNELS[backend])
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("kv_format", FORMATS)
-def test_gpu_graph_capture_new_indices(kv_format):
+def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
+    """Non-power-of-two pages, an odd page stride (fp8_ds_mla's unaligned RoPE), H = 70
+    (a partial head block) and split-K forced to 1, 3 and 7 with empty rows among them."""
+    needs(backend)
+    args = list(make_case(kv_format, 9, 70, 128, 300, 48, page_gap=5, device="cuda", seed=3, pool_pages=40))
+    args[3][2] = 0  # a token with no SWA entries
+    args[6][4] = 0  # and one with no compressed entries
+    for n_split in (1, 3, 7):
+        check(tuple(args), n_split=n_split, config=KERNELS[backend])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_gpu_graph_capture_new_indices(kv_format, backend):
     """Capture sparse_mla_out once, then replay with new indices and lens copied in."""
+    needs(backend)
     T, H, W, K = 5, 64, 128, 512
     args = list(make_case(kv_format, T, H, W, K, 64, device="cuda", seed=1, pool_pages=64))
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(T, H, device="cuda")
-    with compile_ops.use_backends(sparse_mla="triton"):
+    with compile_ops.use_backends(sparse_mla=backend):
         compile_ops.sparse_mla_out(*args, out, lse)  # warm-up: compiles, allocates the scratch
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -204,9 +235,11 @@ def test_gpu_graph_capture_new_indices(kv_format):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("H,K,T", [(64, 512, 1), (64, 512, 128), (128, 1024, 64)])
-def test_gpu_matches_flashmla(H, K, T):
+def test_gpu_matches_flashmla(H, K, T, backend):
     """Same fp8_ds_mla caches through FlashMLA's SM90 sparse decode (natural-log LSE, no sink)."""
+    needs(backend)
     flash_mla = pytest.importorskip("flash_mla")
     gen = torch.Generator(device="cuda").manual_seed(H + K + T)
     page, W = 64, 128
@@ -222,7 +255,7 @@ def test_gpu_matches_flashmla(H, K, T):
     sink = torch.randn(H, generator=gen, device="cuda")
     sm_scale = 512**-0.5
     args = (q, swa, swa_idx, swa_lens, cmp, cmp_idx, cmp_lens, sink, sm_scale, "fp8_ds_mla", 1.0)
-    out, lse, ref_out, ref_lse = run_both(args)
+    out, lse, ref_out, ref_lse = run_both(args, config=KERNELS[backend])
     sched, _ = flash_mla.get_mla_metadata()
     fm_out, fm_lse = flash_mla.flash_mla_with_kvcache(
         q.view(T, 1, H, 512), cmp.unsqueeze(2), None, None, 512, sched,

@@ -4,7 +4,8 @@ For every (H, K) shape and token count T, with a 128-entry SWA segment (each tok
 window of contiguous slots) plus K compressed entries drawn at random from a pool larger
 than L2, it times:
 
-* ours: ``compile_ops.sparse_mla_out`` on the Triton backend, for every ``kv_format``;
+* ours: ``compile_ops.sparse_mla_out`` on each of ``--backends`` (the warp-specialized
+  Gluon kernel, ``gluon``, and the portable ``tl`` kernel, ``triton``), for every ``kv_format``;
 * FlashMLA (``sgl-flash-mla``, ``use_legacy=True``) on the same ``fp8_ds_mla`` caches;
 * the plain-torch reference under ``torch.compile`` (bf16 caches, a few T: it is slow).
 
@@ -41,7 +42,8 @@ def parse(argv):
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--ref-T", default="1,128", help="T at which to time the torch.compile'd reference ('' = none)")
     p.add_argument("--no-flashmla", action="store_true")
-    p.add_argument("--configs", default="", help="Triton launch configs to compare, bn:dsplit:warps:stages,... ('' = the tuned default)")
+    p.add_argument("--backends", default="gluon,triton", help="our sparse_mla backends to time (one that cannot run here is skipped)")
+    p.add_argument("--configs", default="", help="extra tl-kernel launch configs, bn:dsplit:warps:stages,...")
     p.add_argument("--pool", type=int, default=1 << 18, help="compressed-cache slots the top-k is drawn from")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--sets", type=int, default=4)
@@ -150,7 +152,17 @@ def main(argv=None):
     kernel_rows = []
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     formats = [f for f in args.formats.split(",") if f]
-    configs = [mla_triton.Config(*map(int, c.split(":"))) for c in args.configs.split(",") if c] or [None]
+    impls = []  # (name, backend, config): our op per backend, then the tl kernel per extra config
+    for name in [b for b in args.backends.split(",") if b]:
+        try:
+            with compile_ops.use_backends(sparse_mla=name):
+                compile_ops.backend_for("sparse_mla", device)
+            impls.append((name, name, None))
+        except ValueError as e:
+            print(f"backend {name} skipped: {e}")
+    for c in [c for c in args.configs.split(",") if c]:
+        cfg = mla_triton.Config(*map(int, c.split(":")))
+        impls.append((f"triton[{c}]", "triton", cfg))
     flash_mla = None
     if not args.no_flashmla and device.type == "cuda":
         try:
@@ -163,15 +175,20 @@ def main(argv=None):
     sm_scale = 512**-0.5
     rows = []
 
-    def ours(fmt, cfg, a):
+    def ours(fmt, backend, cfg, a):
         q, si, sl, ci, cl = a
         T, H = q.shape[:2]
         out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
         lse = torch.empty(T, H, device=device)
         call = (q, swa[fmt], si, sl, cmp[fmt], ci, cl, sink, sm_scale, fmt, 1.0, out, lse)
-        if cfg is not None or device.type != "cuda":
+        if cfg is not None:
             return lambda: mla_triton.sparse_mla_triton(*call, config=cfg)
-        return lambda: compile_ops.sparse_mla_out(*call)
+
+        def run():
+            with compile_ops.use_backends(sparse_mla=backend):
+                compile_ops.sparse_mla_out(*call)
+
+        return run
 
     def flashmla(a, sched):
         q, si, sl, ci, cl = a
@@ -193,54 +210,51 @@ def main(argv=None):
     jobs = [(H, K, T) for H, K in shapes for T in Ts]
     bar = tqdm(total=len(jobs), desc="sparse-mla", unit="case")
     swa = cmp = None
-    with compile_ops.use_backends(sparse_mla="triton" if device.type == "cuda" else "auto"):
-        for H, K in shapes:
-            n_swa = -(-max(2 * max(Ts) * W, 4 * W) // PAGE) * PAGE
-            n_cmp = max(args.pool // PAGE * PAGE, PAGE)
-            swa, cmp, bpt = {}, {}, {}
+    for H, K in shapes:
+        n_swa = -(-max(2 * max(Ts) * W, 4 * W) // PAGE) * PAGE
+        n_cmp = max(args.pool // PAGE * PAGE, PAGE)
+        swa, cmp, bpt = {}, {}, {}
+        for fmt in formats:
+            swa[fmt], bpt[fmt] = make_caches(fmt, n_swa, device, gen)
+            cmp[fmt], _ = make_caches(fmt, n_cmp, device, gen)
+        sink = torch.randn(H, device=device, generator=gen)
+        for T in Ts:
+            sets = make_inputs(T, H, K, n_swa, n_cmp, args.sets, device, gen)
             for fmt in formats:
-                swa[fmt], bpt[fmt] = make_caches(fmt, n_swa, device, gen)
-                cmp[fmt], _ = make_caches(fmt, n_cmp, device, gen)
-            sink = torch.randn(H, device=device, generator=gen)
-            for T in Ts:
-                sets = make_inputs(T, H, K, n_swa, n_cmp, args.sets, device, gen)
-                for fmt in formats:
-                    for cfg in configs:
-                        us = timer([ours(fmt, cfg, a) for a in sets])
-                        name = "triton" if cfg is None else f"triton[{cfg.bn}:{cfg.dsplit}:{cfg.num_warps}:{cfg.num_stages}]"
-                        rows.append(dict(H=H, K=K, T=T, impl=name, kv_format=fmt, us=us))
+                for name, backend, cfg in impls:
+                    us = timer([ours(fmt, backend, cfg, a) for a in sets])
+                    rows.append(dict(H=H, K=K, T=T, impl=name, kv_format=fmt, us=us))
+            if flash_mla is not None and "fp8_ds_mla" in formats:
+                sched, _ = flash_mla.get_mla_metadata()
+                rows.append(dict(H=H, K=K, T=T, impl="flashmla", kv_format="fp8_ds_mla", us=timer([flashmla(a, sched) for a in sets])))
+                us = timer([ours("fp8_ds_mla", "flashmla", None, a) for a in sets])  # FlashMLA behind our op
+                rows.append(dict(H=H, K=K, T=T, impl="dsv41 op [flashmla backend]", kv_format="fp8_ds_mla", us=us))
+            if T in profile_Ts and device.type == "cuda":
+                fns = [(f"{name} {fmt}", ours(fmt, backend, cfg, sets[0])) for fmt in formats for name, backend, cfg in impls]
                 if flash_mla is not None and "fp8_ds_mla" in formats:
                     sched, _ = flash_mla.get_mla_metadata()
-                    rows.append(dict(H=H, K=K, T=T, impl="flashmla", kv_format="fp8_ds_mla", us=timer([flashmla(a, sched) for a in sets])))
-                    with compile_ops.use_backends(sparse_mla="flashmla"):  # FlashMLA behind our op
-                        us = timer([ours("fp8_ds_mla", None, a) for a in sets])
-                    rows.append(dict(H=H, K=K, T=T, impl="dsv41 op [flashmla backend]", kv_format="fp8_ds_mla", us=us))
-                if T in profile_Ts and device.type == "cuda":
-                    fns = [(f"ours {fmt}", ours(fmt, None, sets[0])) for fmt in formats]
-                    if flash_mla is not None and "fp8_ds_mla" in formats:
-                        sched, _ = flash_mla.get_mla_metadata()
-                        fns.append(("flashmla fp8_ds_mla", flashmla(sets[0], sched)))
-                    for impl, fn in fns:
-                        for kernel, us in kernel_times(fn).items():
-                            kernel_rows.append(dict(H=H, K=K, T=T, impl=impl, kernel=kernel[:80], us=round(us, 2)))
-                if T in ref_Ts and "bf16" in formats:
-                    q, si, sl, ci, cl = sets[0]
+                    fns.append(("flashmla fp8_ds_mla", flashmla(sets[0], sched)))
+                for impl, fn in fns:
+                    for kernel, us in kernel_times(fn).items():
+                        kernel_rows.append(dict(H=H, K=K, T=T, impl=impl, kernel=kernel[:80], us=round(us, 2)))
+            if T in ref_Ts and "bf16" in formats:
+                q, si, sl, ci, cl = sets[0]
+                t0 = time.perf_counter()
+                fn = lambda: compiled_ref(q, swa["bf16"], si, sl, cmp["bf16"], ci, cl, sink, "bf16")  # noqa: E731
+                fn()
+                compile_s = time.perf_counter() - t0
+                try:
+                    us = timer([fn])
+                except Exception as e:  # capture can fail; fall back to a synchronised wall clock
+                    print(f"compiled reference not capturable ({type(e).__name__}); timing eagerly")
+                    torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    fn = lambda: compiled_ref(q, swa["bf16"], si, sl, cmp["bf16"], ci, cl, sink, "bf16")  # noqa: E731
-                    fn()
-                    compile_s = time.perf_counter() - t0
-                    try:
-                        us = timer([fn])
-                    except Exception as e:  # capture can fail; fall back to a synchronised wall clock
-                        print(f"compiled reference not capturable ({type(e).__name__}); timing eagerly")
-                        torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        for _ in range(args.calls):
-                            fn()
-                        torch.cuda.synchronize()
-                        us = (time.perf_counter() - t0) * 1e6 / args.calls
-                    rows.append(dict(H=H, K=K, T=T, impl="torch.compile(reference)", kv_format="bf16", us=us, compile_s=round(compile_s, 1)))
-                bar.update(1)
+                    for _ in range(args.calls):
+                        fn()
+                    torch.cuda.synchronize()
+                    us = (time.perf_counter() - t0) * 1e6 / args.calls
+                rows.append(dict(H=H, K=K, T=T, impl="torch.compile(reference)", kv_format="bf16", us=us, compile_s=round(compile_s, 1)))
+            bar.update(1)
     bar.close()
     for r in rows:
         flops, kv_bytes, roof = roofline(r["T"], r["H"], r["K"], bpt[r["kv_format"]])
@@ -258,7 +272,20 @@ def main(argv=None):
     return 0
 
 
+def _is_ours(impl):
+    return impl.startswith(("gluon", "triton"))
+
+
+def _best(by_impl, fmt):
+    """Our fastest row for ``fmt`` in one case (``None`` when none was timed)."""
+    mine = [r for (impl, f), r in by_impl.items() if f == fmt and _is_ours(impl)]
+    return min(mine, key=lambda r: r["us"]) if mine else None
+
+
 def report(rows, out_dir):
+    if not rows:
+        print("nothing was timed: no backend of ours, FlashMLA or reference T runs on this device")
+        return
     keys = ["H", "K", "T", "impl", "kv_format", "us", "tflops", "kv_gbps", "pct_roofline", "compile_s"]
     with open(os.path.join(out_dir, "sparse_mla.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, keys)
@@ -269,9 +296,9 @@ def report(rows, out_dir):
     by = {}
     for r in rows:
         by.setdefault((r["H"], r["K"], r["T"]), {})[(r["impl"], r["kv_format"])] = r
-    ours = sorted({(r["impl"], r["kv_format"]) for r in rows if r["impl"].startswith("triton")}, key=lambda x: (x[0], FORMATS.index(x[1])))
-    head = ["H", "K", "T"] + [f"{i.replace('triton', 'ours')} {f} us / TF/s / %roof" for i, f in ours]
-    head += ["FlashMLA us", "FlashMLA / ours(fp8_ds_mla)", "op [flashmla backend] us", "compiled ref us (bf16)", "ref / ours(bf16)"]
+    ours = sorted({(r["impl"], r["kv_format"]) for r in rows if _is_ours(r["impl"])}, key=lambda x: (x[0], FORMATS.index(x[1])))
+    head = ["H", "K", "T"] + [f"{i} {f} us / TF/s / %roof" for i, f in ours]
+    head += ["FlashMLA us", "FlashMLA / best ours (fp8_ds_mla)", "op [flashmla backend] us", "compiled ref us (bf16)", "ref / best ours (bf16)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (H, K, T), d in sorted(by.items()):
         cells = [str(H), str(K), str(T)]
@@ -279,13 +306,13 @@ def report(rows, out_dir):
             r = d.get(key)
             cells.append(f"{r['us']:.1f} / {r['tflops']:.0f} / {r['pct_roofline']:.0f}%" if r else "")
         fm = d.get(("flashmla", "fp8_ds_mla"))
-        mine = d.get(("triton", "fp8_ds_mla"))
+        mine = _best(d, "fp8_ds_mla")
         cells.append(f"{fm['us']:.1f}" if fm else "")
         cells.append(f"{fm['us'] / mine['us']:.2f}x" if fm and mine else "")
         via_op = d.get(("dsv41 op [flashmla backend]", "fp8_ds_mla"))
         cells.append(f"{via_op['us']:.1f}" if via_op else "")
         ref = d.get(("torch.compile(reference)", "bf16"))
-        mine16 = d.get(("triton", "bf16"))
+        mine16 = _best(d, "bf16")
         cells.append(f"{ref['us']:.0f}" if ref else "")
         cells.append(f"{ref['us'] / mine16['us']:.1f}x" if ref and mine16 else "")
         lines.append("| " + " | ".join(cells) + " |")
@@ -306,7 +333,7 @@ def report(rows, out_dir):
     for ax, (H, K) in zip(axes[0], shapes):
         for impl, fmt in sorted({(r["impl"], r["kv_format"]) for r in rows}):
             pts = sorted((r["T"], r["tflops"]) for r in rows if (r["H"], r["K"], r["impl"], r["kv_format"]) == (H, K, impl, fmt))
-            label = f"{impl.replace('triton', 'ours')} {fmt}" if impl.startswith("triton") else f"{impl} {fmt}"
+            label = f"ours {impl} {fmt}" if _is_ours(impl) else f"{impl} {fmt}"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("T (tokens)")

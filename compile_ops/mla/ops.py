@@ -175,6 +175,24 @@ def _sparse_mla_triton(*args):
     sparse_mla_triton(*args)
 
 
+def _gluon_unavailable(device, kv_format):
+    if device.type != "cuda":
+        return f"the Gluon kernel runs on CUDA devices only, got {device.type}"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return f"the Gluon kernel needs sm_90 (Hopper wgmma), got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError as err:
+        return f"the Gluon kernel needs triton >= 3.5 with triton.experimental.gluon ({err})"
+    return None
+
+
+def _sparse_mla_gluon(*args):
+    from compile_ops.mla.gluon import sparse_mla_gluon
+
+    sparse_mla_gluon(*args)
+
+
 def _flashmla_unavailable(device, kv_format):
     if device.type != "cuda":  # decided before importing the backend module, which imports triton
         return f"FlashMLA runs on CUDA devices only, got {device.type}"
@@ -209,5 +227,7 @@ backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable, _
 # FlashMLA before Triton: on the H200, behind this op, it runs fp8_ds_mla up to 2.6x faster from
 # T = 128 on (slower at T = 1; docs/performance-sparse-mla.md)
 backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable, _sparse_mla_flashmla)
+# Gluon before the tl kernel: same host side, warp-specialized on sm_90 (docs/performance-sparse-mla.md)
+backends.register_backend("sparse_mla", "gluon", _gluon_unavailable, _sparse_mla_gluon)
 backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _sparse_mla_triton)
 backends.register_backend("sparse_mla", "reference", backends.any_device, sparse_mla_reference)

@@ -59,12 +59,19 @@ BH = 64  # heads per program: the M of both products (wgmma needs 64 rows per wa
 @dataclass(frozen=True)
 class Config:
     """Launch shape: ``bn`` gathered rows per step, ``dsplit`` programs per head block (each
-    owning ``512 / dsplit`` output columns), warps and software-pipelining stages."""
+    owning ``512 / dsplit`` output columns), warps and software-pipelining stages.
+
+    ``gluon=True`` runs the warp-specialized kernel of :mod:`compile_ops.mla.gluon` instead
+    (sm_90 only; its shape is fixed there: ``bn`` 64, ``dsplit`` 1, 8 + 4 warps)."""
 
     bn: int = 64
     dsplit: int = 1
     num_warps: int = 8
     num_stages: int = 3
+    gluon: bool = False
+
+
+GLUON = Config(gluon=True)
 
 
 CONFIGS = {name: Config() for name in ("bf16", "fp8", "fp8_ds_mla", "fp8_dsv41")}
@@ -103,7 +110,7 @@ def _load_kv(p_row, p_scale, m_row, col0,
         if FMT == 2:
             o_r = tl.arange(0, 64)
             m_rope = m_row[:, None] & (col0 + DW > 448)
-            if ROPE_BYTES:  # odd page stride: the bf16 values are not 2-byte aligned
+            if ROPE_BYTES:  # rows off 16 bytes: the bf16 values may sit at odd addresses
                 p_lo = p_row[:, None] + 448 + 2 * o_r[None, :]
                 b_lo = tl.load(p_lo, mask=m_rope, other=0).to(tl.uint16)
                 b_hi = tl.load(p_lo + 1, mask=m_rope, other=0).to(tl.uint16)
@@ -357,6 +364,13 @@ def sparse_mla_triton(
     if cmp_cache is None:  # an empty second segment: K = 0, any valid pointers
         cmp_cache, cmp_indices, cmp_lens = swa_cache, swa_indices[:, :0], swa_lens
     W, K = swa_indices.shape[1], cmp_indices.shape[1]
+    # rows off 16 bytes (page strides or offsets not multiples of 16 bytes): fp8_ds_mla's bf16
+    # RoPE values are read byte by byte, and the Gluon kernel (16-byte copies of rows and of
+    # q's heads) hands the call to the tl kernel
+    unaligned = any(c.stride(0) * c.element_size() % 16 or c.storage_offset() * c.element_size() % 16
+                    for c in (swa_cache, cmp_cache))
+    if cfg.gluon and (unaligned or q.stride(0) % 8 or q.stride(1) % 8 or q.storage_offset() % 8):
+        cfg = CONFIGS[kv_format]
     traced = isinstance(q, FunctionalTensor)
     if traced:  # partials of this launch only: a traced graph owns its buffers (no global cache)
         num_sms, rows = scratch_size(q.device)
@@ -372,8 +386,6 @@ def sparse_mla_triton(
         part_lse = torch.empty((n_split * T * H,), dtype=torch.float32, device=q.device)
     else:
         part_o, part_lse = buf.part_o, buf.part_lse
-    # fp8_ds_mla's bf16 RoPE values sit at odd addresses when a page stride is odd
-    rope_bytes = fmt == 2 and any(c.stride(0) % 2 or c.storage_offset() % 2 for c in (swa_cache, cmp_cache))
     # power-of-two page sizes (the usual 64 / 256) map slots to pages with shifts
     pages = (swa_cache.shape[1], cmp_cache.shape[1])
     page_shift = all(p > 0 and p & (p - 1) == 0 for p in pages)
@@ -392,12 +404,20 @@ def sparse_mla_triton(
         pages[0], swa_cache.stride(0), num_slots(swa_cache),
         pages[1], cmp_cache.stride(0), num_slots(cmp_cache),
     )
-    launchable(_sparse_mla_kernel, q)[(T * triton.cdiv(H, BH) * cfg.dsplit, n_split)](
-        *launch_args,
-        FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=cfg.dsplit,
-        PAGE_SHIFT=page_shift, ROPE_BYTES=bool(rope_bytes), UPCAST=INTERPRET, ITERS=iters,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    grid = (T * triton.cdiv(H, BH) * cfg.dsplit, n_split)
+    if cfg.gluon:
+        if traced or INTERPRET:
+            raise RuntimeError("the Gluon kernel runs eagerly on sm_90 only: not traced, not interpreted")
+        from compile_ops.mla import gluon
+
+        gluon.launch(grid, launch_args, fmt, data, scale_bytes, page_shift)
+    else:
+        launchable(_sparse_mla_kernel, q)[grid](
+            *launch_args,
+            FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=cfg.dsplit,
+            PAGE_SHIFT=page_shift, ROPE_BYTES=unaligned, UPCAST=INTERPRET, ITERS=iters,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if isinstance(n_split, int):
         if n_split == 1:
             return

@@ -1,0 +1,386 @@
+"""Warp-specialized Gluon kernel for ``dsv41::sparse_mla`` on Hopper (sm_90).
+
+Same contract, arguments and split-K scheme as the ``tl`` kernel in
+:mod:`compile_ops.mla.triton` (which stays the interpreter twin and the fallback off sm_90);
+this one only changes how a program's work is scheduled on the SM. One program owns one
+token, 64 heads and a range of ``BN``-row blocks, and runs three warpgroups:
+
+* a **producer** warpgroup (4 warps, few registers) maps slots to rows and fills a ring of
+  ``STAGES`` bf16 key tiles in shared memory: ``bf16`` rows with ``cp.async`` straight into
+  the MMA layout, the fp8 formats by loading raw bytes to registers, dequantizing (e4m3 and
+  UE8M0 scales are exact in bf16) and storing bf16. It writes each row's score bias (0 or
+  ``-inf`` for a hole) next to the tile and signals ``ready``;
+* two **consumer** warpgroups (the default partition, 8 warps) compute ``S = Q K^T`` with
+  each warpgroup owning half of the block's rows (``wgmma`` with ``warps_per_cta = [4, 2]``:
+  no warpgroup recomputes the other's scores, unlike ``tl``'s chained-dot heuristic), share
+  the row max and the bf16 ``P`` through shared memory, and each owns 256 of the 512 output
+  columns for ``O += P K``; then they release the tile (``empty``).
+
+So the gather and the dequantization of block ``i + 1`` run on the producer's warps while
+the tensor cores work on block ``i`` (FlashMLA's SM90 sparse decoding splits its warps the
+same way; Triton's Gluon tutorials show the ``warp_specialize`` / ``mbarrier`` idiom).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+BH = 64  # heads per program (the M of both products)
+BN = 64  # gathered rows per block
+STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB + P (8 KB) fill the 227 KB
+# rows per dequantization chunk in the producer, per FMT (four chunks of raw bytes are in
+# flight in its registers)
+RB = {0: 8, 1: 8, 2: 8, 3: 8}
+# registers per producer thread, per FMT (the consumers get the rest of 168 x 12 warps);
+# fp8_ds_mla's RoPE tile needs more (H200: 104 vs 88 took T = 512 from 258 to 248 us)
+PRODUCER_REGS = {0: 88, 1: 88, 2: 104, 3: 88}
+MAX_REGS = 168
+
+
+def supported(device: torch.device) -> bool:
+    """Whether this kernel can run on ``device``: CUDA compute capability 9.0 (``wgmma``)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@gluon.jit
+def _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN: gl.constexpr):
+    """This program's blocks ``[i_b0, i_b1)`` (SWA blocks first) and the segment lengths."""
+    n_swa = gl.minimum(gl.maximum(gl.load(swa_len + i_t), 0), W)
+    n_cmp = gl.minimum(gl.maximum(gl.load(cmp_len + i_t), 0), K)
+    nb_swa = gl.cdiv(n_swa, BN)
+    nb = nb_swa + gl.cdiv(n_cmp, BN)
+    return n_swa, n_cmp, nb_swa, i_s * nb // n_split, (i_s + 1) * nb // n_split
+
+
+@gluon.jit
+def _slots(i_b, o_r, live, i_t, n_swa, n_cmp, nb_swa, seg, BN: gl.constexpr):
+    """Slots of rows ``o_r`` of block ``i_b`` (SWA blocks first), ``-1`` for a hole, an entry
+    past its ``lens``, a slot outside its cache, or when not ``live``.
+
+    ``seg`` = (swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots, and the
+    same seven for the compressed segment)."""
+    swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots, \
+        cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots = seg
+    is_swa = i_b < nb_swa
+    o_n = gl.where(is_swa, i_b, i_b - nb_swa) * BN + o_r
+    p_idx = gl.where(is_swa, swa_idx + i_t * s_swa_t, cmp_idx + i_t * s_cmp_t)
+    s_n = gl.where(is_swa, s_swa_n, s_cmp_n)
+    n_len = gl.where(is_swa, n_swa, n_cmp)
+    n_slots = gl.where(is_swa, swa_slots, cmp_slots)
+    slot = gl.load(p_idx + o_n * s_n, mask=(o_n < n_len) & live, other=-1)
+    return gl.where((slot >= 0) & (slot < n_slots), slot, -1)
+
+
+@gluon.jit
+def _row_ptrs(slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
+    """:func:`_slots` -> (data pointer, scale pointer, valid) per row; an invalid row's
+    pointers are the page base and are never dereferenced."""
+    swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots, \
+        cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots = seg
+    is_swa = i_b < nb_swa
+    page = gl.where(is_swa, swa_page, cmp_page)
+    stride = gl.where(is_swa, swa_stride, cmp_stride)
+    kv = gl.where(is_swa, swa_kv, cmp_kv)
+    valid = slot >= 0
+    slot = gl.maximum(slot, 0)
+    if PAGE_SHIFT:  # `page` holds log2(page size)
+        p_page = kv + (slot >> page).to(gl.int64) * stride
+        off = slot & ((1 << page) - 1)
+        page = 1 << page
+    else:
+        p_page = kv + (slot // page).to(gl.int64) * stride
+        off = slot % page
+    return p_page + off * DATA, p_page + page * DATA + off * SCALE, valid
+
+
+@gluon.jit
+def _load_chunk(info, b, r0, live, o_g, o_w, FMT: gl.constexpr, RB: gl.constexpr, L3: gl.constexpr):
+    """Raw bytes of rows ``[r0, r0 + RB)`` of the block whose row addresses ``info`` holds in
+    buffer ``b`` (two ``[2, BN]`` int64: data and scale addresses, ``-1`` when invalid), as ``[RB, 32, 4]``
+    int32 words (the 512 e4m3 columns in groups of 16, kept packed: 4 registers per 16
+    bytes in flight) and each group's scale byte. Nothing is read for invalid rows or when
+    not ``live``; fp8_ds_mla's groups 28..31 (its bf16 RoPE values) come back as zeros."""
+    L_R: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+    a_row = info[0].index(b).slice(r0, RB).load(L_R)
+    m_q = ((a_row >= 0) & live)[:, None, None] & (o_g < (28 if FMT == 2 else 32))
+    p_word = a_row.to(gl.pointer_type(gl.int32))[:, None, None] + o_g * 4 + o_w
+    x = gl.load(p_word, mask=m_q, other=0)
+    if FMT == 1:  # one scale for the whole cache, applied to the scores and the output
+        e = gl.full([RB, 32, 1], 127, gl.uint8, L3)
+    else:
+        BLK: gl.constexpr = 4 if FMT == 2 else 2  # groups of 16 per scale byte
+        p_scale = info[1].index(b).slice(r0, RB).load(L_R).to(gl.pointer_type(gl.uint8))
+        e = gl.load(p_scale[:, None, None] + o_g // BLK, mask=m_q, other=127)
+    return x, e
+
+
+@gluon.jit
+def _convert(x, e):
+    """:func:`_load_chunk`'s words -> ``[RB, 512]`` bf16 keys: each word's four e4m3 bytes
+    times ``2^(e - 127)`` (exact in bf16; ``cvt.rn.f16x2.e4m3x2`` then fp32)."""
+    scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+    k0, k1, k2, k3 = gl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi, a0, a1, b0, b1;
+        .reg .b32 a, b;
+        .reg .f32 f0, f1, f2, f3;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {a0, a1}, a;
+        mov.b32 {b0, b1}, b;
+        cvt.f32.f16 f0, a0;
+        cvt.f32.f16 f1, a1;
+        cvt.f32.f16 f2, b0;
+        cvt.f32.f16 f3, b1;
+        mul.f32 f0, f0, $5;
+        mul.f32 f1, f1, $5;
+        mul.f32 f2, f2, $5;
+        mul.f32 f3, f3, $5;
+        cvt.rn.bf16.f32 $0, f0;
+        cvt.rn.bf16.f32 $1, f1;
+        cvt.rn.bf16.f32 $2, f2;
+        cvt.rn.bf16.f32 $3, f3;
+        }""",
+        "=h,=h,=h,=h,r,f", [x, scale], (gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    # byte b of word w is column 4 w + b
+    k = gl.join(gl.join(k0, k2), gl.join(k1, k3))
+    return gl.reshape(k, [x.shape[0], 512])
+
+
+@gluon.jit
+def _write_info(info, b, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
+    """Block ``i_b``'s row addresses into buffer ``b`` of ``info`` (see :func:`_load_chunk`)."""
+    p_row, p_scale, valid = _row_ptrs(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+    info[0].index(b).store(gl.where(valid, p_row.to(gl.int64), -1))
+    info[1].index(b).store(gl.where(valid, p_scale.to(gl.int64), -1))
+
+
+@gluon.jit
+def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
+              FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+              BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr):
+    swa_len, cmp_len, W, K, n_split = span_args
+    n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
+    n = i_b1 - i_b0
+    slot_args = (i_t, n_swa, n_cmp, nb_swa, seg)
+    # every block's slots are loaded one block ahead: no load waits on another load
+    if FMT == 0:
+        # bf16: 16-byte cp.async per thread straight into the MMA layout, 4 rows at a time
+        LC: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        o_r = gl.arange(0, BN, gl.SliceLayout(1, LC))
+        o_d = gl.arange(0, 512, gl.SliceLayout(0, LC))
+        slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
+        for i in range(n):
+            st = i % STAGES
+            slot = slot_next
+            slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
+            p_row, _, valid = _row_ptrs(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
+            async_copy.async_copy_global_to_shared(kbuf.index(st), p_row[:, None] + o_d[None, :], mask=valid[:, None])
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(st), count=1)
+    else:
+        # raw words through registers in chunks of RB rows, loaded three chunks ahead of the
+        # dequantization, across block boundaries and while waiting for a free tile; the
+        # row addresses of the current and the next block sit in `info` (two buffers)
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0])
+        LB: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        CH: gl.constexpr = BN // RB
+        gl.static_assert(CH >= 3)
+        o_b = gl.arange(0, BN, LB)
+        o_g = gl.arange(0, 32, gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+        o_w = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+        _write_info(info, 0, _slots(i_b0, o_b, n > 0, *slot_args, BN), i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+        slot_next = _slots(i_b0 + 1, o_b, n > 1, *slot_args, BN)
+        gl.thread_barrier()
+        x0, e0 = _load_chunk(info, 0, 0, n > 0, o_g, o_w, FMT, RB, L3)
+        x1, e1 = _load_chunk(info, 0, RB, n > 0, o_g, o_w, FMT, RB, L3)
+        x2, e2 = _load_chunk(info, 0, 2 * RB, n > 0, o_g, o_w, FMT, RB, L3)
+        for i in range(n):
+            st = i % STAGES
+            _write_info(info, (i + 1) % 2, slot_next, i_b0 + i + 1, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+            slot_next = _slots(i_b0 + i + 2, o_b, i + 2 < n, *slot_args, BN)
+            gl.thread_barrier()
+            valid = info[0].index(i % 2).load(LB) >= 0
+            if FMT == 2:
+                a_rope = info[0].index(i % 2).load(gl.SliceLayout(1, LR))
+                p_rope = (a_rope + 448).to(gl.pointer_type(gl.bfloat16))
+                o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
+                rope = gl.load(p_rope[:, None] + o_c[None, :], mask=(a_rope >= 0)[:, None], other=0.0)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
+            tile = kbuf.index(st)
+            for c in gl.static_range(CH):
+                # chunk c + 3 of this block, or of the next one
+                x3, e3 = _load_chunk(info, (i + (c + 3) // CH) % 2, ((c + 3) % CH) * RB,
+                                     i + (c + 3) // CH < n, o_g, o_w, FMT, RB, L3)
+                tile.slice(c * RB, RB).store(_convert(x0, e0))
+                x0, e0, x1, e1, x2, e2 = x1, e1, x2, e2, x3, e3
+            if FMT == 2:  # after every chunk (zeros in columns 448..511) is stored
+                gl.thread_barrier()
+                tile.slice(448, 64, dim=1).store(rope)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(st), count=1)
+
+
+@gluon.jit
+def _softmax(s, b, m_i, l_acc, qk_scale):
+    """One block's scores -> bf16 weights ``p``, with the running max ``m_i`` and the
+    unreduced running sum ``l_acc`` (``[64, BN]``, summed over the row once at the end)."""
+    s = s * qk_scale + b[None, :]
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_acc = l_acc * alpha[:, None] + p
+    return p.to(gl.bfloat16), alpha, m_new, l_acc
+
+
+@gluon.jit
+def _consumer(q_smem, kbuf, bias, p_smem, ready, empty, q_ptrs, i_t, i_s, span_args, qk_scale,
+              BN: gl.constexpr, STAGES: gl.constexpr):
+    swa_len, cmp_len, W, K, n_split = span_args
+    _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
+    n = i_b1 - i_b0
+    q_ptr, q_mask = q_ptrs
+    async_copy.async_copy_global_to_shared(q_smem, q_ptr, mask=q_mask)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    acc = warpgroup_mma_init(gl.zeros([64, 512], gl.float32, O_L))
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_acc = gl.zeros([64, BN], gl.float32, S_L)
+    for i in range(n):
+        st = i % STAGES
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        tile = kbuf.index(st)
+        s = warpgroup_mma(q_smem, tile.permute((1, 0)), gl.zeros([64, BN], gl.float32, S_L),
+                          use_acc=False, is_async=True)
+        # waiting for S also retires this warpgroup's P K of block i - 1; after the barrier,
+        # both warpgroups' are: block i - 1's tile can be refilled and P overwritten
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        p, alpha, m_i, l_acc = _softmax(s, bias.index(st).load(gl.SliceLayout(0, S_L)), m_i, l_acc, qk_scale)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        p_smem.store(p)
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(p_smem, tile, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    l_i = gl.sum(l_acc, 1)
+    return acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+
+
+@gluon.jit(
+    do_not_specialize=[
+        "T", "H", "W", "K", "n_split", "has_sink", "s_swa_t", "s_cmp_t",
+        "swa_page", "swa_slots", "cmp_page", "cmp_slots",
+    ]
+)
+def _sparse_mla_ws_kernel(
+    q, out, lse, part_o, part_lse, sink,
+    swa_kv, swa_idx, swa_len, cmp_kv, cmp_idx, cmp_len,
+    T, H, W, K, n_split, has_sink, qk_scale, kv_scale,
+    s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
+    swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
+    FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+    BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    qk_scale = qk_scale.to(gl.float32)
+    kv_scale = kv_scale.to(gl.float32)
+    i_p, i_s = gl.program_id(0), gl.program_id(1)
+    n_hb = gl.cdiv(H, 64)
+    i_t, i_hb = i_p // n_hb, i_p % n_hb
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BN], gl.bfloat16)
+    b_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], q_layout)
+    kbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], k_layout)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BN], p_layout)
+    bias = gl.allocate_shared_memory(gl.float32, [STAGES, BN], b_layout)
+    info = (gl.allocate_shared_memory(gl.int64, [2, BN], b_layout), gl.allocate_shared_memory(gl.int64, [2, BN], b_layout))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    o_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, LQ))
+    o_d = gl.arange(0, 512, gl.SliceLayout(0, LQ))
+    q_ptrs = (q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], (o_h < H)[:, None])
+    span_args = (swa_len, cmp_len, W, K, n_split)
+    seg = (swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots,
+           cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots)
+    acc, m_i, l_i = gl.warp_specialize([
+        (_consumer, (q_smem, kbuf, bias, p_smem, ready, empty, q_ptrs, i_t, i_s, span_args, qk_scale, BN, STAGES)),
+        (_producer, (kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
+                     FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES, RB)),
+    ], [4], [PRODUCER_REGS])
+
+    # this program's partial: normalised output and base-2 LSE (-inf when it saw nothing)
+    O_L: gl.constexpr = acc.type.layout
+    o_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, O_L))
+    o_v = gl.arange(0, 512, gl.SliceLayout(0, O_L))
+    m_h = o_h < H
+    o = gl.where(l_i[:, None] > 0, acc * (kv_scale / l_i[:, None]), 0.0)
+    lse_p = gl.where(l_i > 0, gl.where(m_i == float("-inf"), 0.0, m_i) + gl.log2(l_i), float("-inf"))
+    if n_split == 1:
+        # fold the sink in: one more partial, with lse = sink * log2(e) and output 0
+        sk = gl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
+        mx = gl.maximum(lse_p, sk)
+        mx = gl.where(mx == float("-inf"), 0.0, mx)
+        lse_all = mx + gl.log2(gl.exp2(lse_p - mx) + gl.exp2(sk - mx))
+        w = gl.where(lse_all == float("-inf"), 0.0, gl.exp2(lse_p - lse_all))
+        gl.store(out + (i_t * H + o_h[:, None]) * 512 + o_v[None, :], (o * w[:, None]).to(gl.bfloat16),
+                 mask=m_h[:, None])
+        gl.store(lse + i_t * H + o_h, lse_all, mask=m_h)
+    else:
+        o_row = (i_s * T + i_t) * H + o_h
+        gl.store(part_o + o_row[:, None] * 512 + o_v[None, :], o, mask=m_h[:, None])
+        gl.store(part_lse + o_row, lse_p, mask=m_h)
+
+
+def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift: bool) -> None:
+    """Launch :func:`_sparse_mla_ws_kernel` with the ``tl`` kernel's arguments (see
+    :func:`compile_ops.mla.triton.sparse_mla_triton`, which validates and prepares them)."""
+    _sparse_mla_ws_kernel[grid](
+        *launch_args,
+        FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
+        BN=BN, STAGES=STAGES, RB=RB[fmt], PRODUCER_REGS=PRODUCER_REGS[fmt],
+        num_warps=8, maxnreg=MAX_REGS,
+    )
+
+
+def sparse_mla_gluon(*args) -> None:
+    """The ``"gluon"`` backend of ``dsv41::sparse_mla``: :func:`sparse_mla_triton`'s host side
+    (validation, split-K choice, static scratch, LSE merge kernel) around this kernel."""
+    from compile_ops.mla.triton import GLUON, sparse_mla_triton
+
+    sparse_mla_triton(*args, config=GLUON)
