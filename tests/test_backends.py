@@ -55,3 +55,12 @@ def test_the_op_runs_the_chosen_backend():
         assert len(calls) == 1
     finally:
         del backends._REGISTRY["sparse_mla"]["spy"]
+
+
+def test_gluon_backend_priority_and_reason_off_gpu():
+    """The warp-specialized kernel comes before FlashMLA and the tl kernel; off sm_90 an
+    explicit choice of it says why it cannot run."""
+    assert compile_ops.backends.backends("sparse_mla") == ["flashinfer", "gluon", "flashmla", "triton", "reference"]
+    with compile_ops.use_backends(sparse_mla="gluon"):
+        with pytest.raises(ValueError, match="Gluon kernel runs on CUDA devices only"):
+            compile_ops.backend_for("sparse_mla", "cpu")

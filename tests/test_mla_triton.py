@@ -190,6 +190,15 @@ def test_gpu_matches_reference(kv_format, H, K, T, page_size, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_gpu_auto_is_gluon_on_sm90(kv_format):
+    """On Hopper the warp-specialized kernel is every format's default."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs sm_90")
+    assert compile_ops.backend_for("sparse_mla", "cuda", kv_format) == "gluon"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_gpu_odd_pages_and_forced_splits(kv_format, backend):

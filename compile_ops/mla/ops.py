@@ -222,12 +222,12 @@ def _sparse_mla_flashinfer(*args):
     sparse_mla_flashinfer(*args)
 
 
-# FlashInfer before Triton: SM100/SM120 only (unverified on hardware, see docs/backends.md)
+# FlashInfer first: SM100/SM120 only (unverified on hardware, see docs/backends.md)
 backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable, _sparse_mla_flashinfer)
-# FlashMLA before Triton: on the H200, behind this op, it runs fp8_ds_mla up to 2.6x faster from
-# T = 128 on (slower at T = 1; docs/performance-sparse-mla.md)
-backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable, _sparse_mla_flashmla)
-# Gluon before the tl kernel: same host side, warp-specialized on sm_90 (docs/performance-sparse-mla.md)
+# Gluon before FlashMLA: on the H200, fp8_ds_mla behind this op, Gluon is 1.2-2.7x faster for
+# T <= 32 (and at H = 64 up to T = 512); FlashMLA is 1.4-1.7x faster at H = 128 from T = 128
+# on (docs/performance-sparse-mla.md), so prefill-sized calls may choose "flashmla"
 backends.register_backend("sparse_mla", "gluon", _gluon_unavailable, _sparse_mla_gluon)
+backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable, _sparse_mla_flashmla)
 backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _sparse_mla_triton)
 backends.register_backend("sparse_mla", "reference", backends.any_device, sparse_mla_reference)
