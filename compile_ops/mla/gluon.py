@@ -1,29 +1,35 @@
-"""Warp-specialized Gluon kernel for ``dsv41::sparse_mla`` on Hopper (sm_90).
+"""Warp-specialized Gluon kernel for ``dsv41::sparse_mla`` on Hopper (sm_90): backend ``"gluon"``.
 
-Same contract, arguments and split-K scheme as the ``tl`` kernel in
-:mod:`compile_ops.mla.triton` (which stays the interpreter twin and the fallback off sm_90);
-this one only changes how a program's work is scheduled on the SM. One program owns one
-token, 64 heads and a range of ``BN``-row blocks, and runs three warpgroups:
+Same contract, arguments, split-K scheme and host side as the ``tl`` kernel in
+:mod:`compile_ops.mla.triton` (which stays the interpreter twin, the kernel Inductor can
+inline, and the fallback off sm_90 or for caches whose rows are not 16-byte aligned); only
+the schedule on the SM differs. One program owns one token, 64 heads and a range of 64-row
+blocks (SWA blocks first), and runs three warpgroups:
 
-* a **producer** warpgroup (4 warps, few registers) maps slots to rows and fills a ring of
-  ``STAGES`` bf16 key tiles in shared memory: ``bf16`` rows with ``cp.async`` straight into
-  the MMA layout, the fp8 formats by loading raw bytes to registers, dequantizing (e4m3 and
-  UE8M0 scales are exact in bf16) and storing bf16. It writes each row's score bias (0 or
-  ``-inf`` for a hole) next to the tile and signals ``ready``;
+* a **producer** warpgroup (4 warps, 88-104 registers) fills a ring of two bf16 key tiles
+  in shared memory: ``bf16`` rows with ``cp.async`` straight into the MMA layout; the fp8
+  formats as raw 16-byte words in registers, loaded three 8-row chunks ahead of their
+  dequantization (across block boundaries and while it waits for a free tile), then
+  ``cvt.rn.f16x2.e4m3x2`` times the UE8M0 scale (exact in bf16) and stored as bf16. Every
+  block's slots are loaded one block ahead and its row addresses kept in shared memory, so
+  no load waits for another load. It writes each row's score bias (0, or ``-inf`` for a
+  hole) next to the tile and signals ``ready``;
 * two **consumer** warpgroups (the default partition, 8 warps) compute ``S = Q K^T`` with
   each warpgroup owning half of the block's rows (``wgmma`` with ``warps_per_cta = [4, 2]``:
   no warpgroup recomputes the other's scores, unlike ``tl``'s chained-dot heuristic), share
   the row max and the bf16 ``P`` through shared memory, and each owns 256 of the 512 output
   columns for ``O += P K``; then they release the tile (``empty``).
 
-So the gather and the dequantization of block ``i + 1`` run on the producer's warps while
-the tensor cores work on block ``i`` (FlashMLA's SM90 sparse decoding splits its warps the
-same way; Triton's Gluon tutorials show the ``warp_specialize`` / ``mbarrier`` idiom).
+So the gather and dequantization of block ``i + 1`` run on the producer's warps while the
+tensor cores work on block ``i`` (FlashMLA's SM90 sparse decoding splits its warps the same
+way; Triton's Gluon tutorials show the ``warp_specialize`` / ``mbarrier`` idiom). Shared
+memory holds Q (64 KB), the two tiles (128 KB) and P (8 KB): a third tile does not fit, which
+bounds the ``bf16`` gather to one 64 KB block in flight per SM. Measured on the H200 in
+``docs/performance-sparse-mla.md``; the design log is ``docs/notes-sparse-mla.md``.
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -35,21 +41,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-BH = 64  # heads per program (the M of both products)
-BN = 64  # gathered rows per block
+BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same split-K)
 STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB + P (8 KB) fill the 227 KB
-# rows per dequantization chunk in the producer, per FMT (four chunks of raw bytes are in
-# flight in its registers)
-RB = {0: 8, 1: 8, 2: 8, 3: 8}
+RB = 8  # rows per dequantization chunk in the producer (four chunks in its registers)
 # registers per producer thread, per FMT (the consumers get the rest of 168 x 12 warps);
 # fp8_ds_mla's RoPE tile needs more (H200: 104 vs 88 took T = 512 from 258 to 248 us)
 PRODUCER_REGS = {0: 88, 1: 88, 2: 104, 3: 88}
 MAX_REGS = 168
-
-
-def supported(device: torch.device) -> bool:
-    """Whether this kernel can run on ``device``: CUDA compute capability 9.0 (``wgmma``)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 @gluon.jit
@@ -310,6 +308,7 @@ def _sparse_mla_ws_kernel(
     BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
+    """Grid ``(T * ceil(H / 64), n_split)``; arguments as ``triton._sparse_mla_kernel``'s."""
     qk_scale = qk_scale.to(gl.float32)
     kv_scale = kv_scale.to(gl.float32)
     i_p, i_s = gl.program_id(0), gl.program_id(1)
@@ -373,7 +372,7 @@ def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift:
     _sparse_mla_ws_kernel[grid](
         *launch_args,
         FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
-        BN=BN, STAGES=STAGES, RB=RB[fmt], PRODUCER_REGS=PRODUCER_REGS[fmt],
+        BN=BN, STAGES=STAGES, RB=RB, PRODUCER_REGS=PRODUCER_REGS[fmt],
         num_warps=8, maxnreg=MAX_REGS,
     )
 
