@@ -158,6 +158,15 @@ def test_interpreter_empty_rows():
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
+def test_gluon_config_refuses_the_interpreter():
+    """The Gluon kernel has no interpreter: asking for it there is an error, not a silent
+    fallback (the ``gluon`` backend's predicate keeps ``auto`` away from it off sm_90)."""
+    args = make_case("bf16", 2, 4, 8, 8, 4, seed=0)
+    out = torch.empty(2, 4, 512, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="Gluon kernel runs eagerly on sm_90 only"):
+        mla_triton.sparse_mla_triton(*args, out, torch.empty(2, 4), config=mla_triton.GLUON)
+
+
 # ---------------------------------------------------------------------------------- GPU
 
 # A representative cross product: every H, K, T, format and page size appears; the full one
