@@ -80,44 +80,45 @@ def _slots(i_b, o_r, live, i_t, n_swa, n_cmp, nb_swa, seg, BN: gl.constexpr):
 
 
 @gluon.jit
-def _row_ptrs(slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
-    """:func:`_slots` -> (data pointer, scale pointer, valid) per row; an invalid row's
-    pointers are the page base and are never dereferenced."""
+def _row_offsets(slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
+    """:func:`_slots` -> (block ``i_b``'s cache, each row's data and scale offsets in it, in
+    elements, valid); an invalid row's offsets are its page base and are never read."""
     swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots, \
         cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots = seg
     is_swa = i_b < nb_swa
     page = gl.where(is_swa, swa_page, cmp_page)
     stride = gl.where(is_swa, swa_stride, cmp_stride)
-    kv = gl.where(is_swa, swa_kv, cmp_kv)
     valid = slot >= 0
     slot = gl.maximum(slot, 0)
     if PAGE_SHIFT:  # `page` holds log2(page size)
-        p_page = kv + (slot >> page).to(gl.int64) * stride
+        o_page = (slot >> page).to(gl.int64) * stride
         off = slot & ((1 << page) - 1)
         page = 1 << page
     else:
-        p_page = kv + (slot // page).to(gl.int64) * stride
+        o_page = (slot // page).to(gl.int64) * stride
         off = slot % page
-    return p_page + off * DATA, p_page + page * DATA + off * SCALE, valid
+    return gl.where(is_swa, swa_kv, cmp_kv), o_page + off * DATA, o_page + page * DATA + off * SCALE, valid
 
 
 @gluon.jit
-def _load_chunk(info, b, r0, live, o_g, o_w, FMT: gl.constexpr, RB: gl.constexpr, L3: gl.constexpr):
-    """Raw bytes of rows ``[r0, r0 + RB)`` of the block whose row addresses ``info`` holds in
-    buffer ``b`` (two ``[2, BN]`` int64: data and scale addresses, ``-1`` when invalid), as ``[RB, 32, 4]``
-    int32 words (the 512 e4m3 columns in groups of 16, kept packed: 4 registers per 16
-    bytes in flight) and each group's scale byte. Nothing is read for invalid rows or when
-    not ``live``; fp8_ds_mla's groups 28..31 (its bf16 RoPE values) come back as zeros."""
+def _load_chunk(info, b, kv, r0, live, o_g, o_w, FMT: gl.constexpr, RB: gl.constexpr, L3: gl.constexpr):
+    """Raw bytes of rows ``[r0, r0 + RB)`` of the block of cache ``kv`` whose row offsets
+    ``info`` holds in buffer ``b`` (two ``[2, BN]`` int64: data and scale byte offsets, ``-1``
+    when invalid), as ``[RB, 32, 4]`` int32 words (the 512 e4m3 columns in groups of 16,
+    kept packed: 4 registers per 16 bytes in flight) and each group's scale byte. Nothing is
+    read for invalid rows or when not ``live``; fp8_ds_mla's groups 28..31 (its bf16 RoPE
+    values) come back as zeros."""
     L_R: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
-    a_row = info[0].index(b).slice(r0, RB).load(L_R)
-    m_q = ((a_row >= 0) & live)[:, None, None] & (o_g < (28 if FMT == 2 else 32))
-    p_word = a_row.to(gl.pointer_type(gl.int32))[:, None, None] + o_g * 4 + o_w
+    o_row = info[0].index(b).slice(r0, RB).load(L_R)
+    m_q = ((o_row >= 0) & live)[:, None, None] & (o_g < (28 if FMT == 2 else 32))
+    # rows are 16-byte aligned (else the tl kernel runs): saying so gives 16-byte loads
+    p_word = (kv + gl.multiple_of(o_row, 16)).to(gl.pointer_type(gl.int32))[:, None, None] + o_g * 4 + o_w
     x = gl.load(p_word, mask=m_q, other=0)
     if FMT == 1:  # one scale for the whole cache, applied to the scores and the output
         e = gl.full([RB, 32, 1], 127, gl.uint8, L3)
     else:
         BLK: gl.constexpr = 4 if FMT == 2 else 2  # groups of 16 per scale byte
-        p_scale = info[1].index(b).slice(r0, RB).load(L_R).to(gl.pointer_type(gl.uint8))
+        p_scale = kv + info[1].index(b).slice(r0, RB).load(L_R)
         e = gl.load(p_scale[:, None, None] + o_g // BLK, mask=m_q, other=127)
     return x, e
 
@@ -158,10 +159,10 @@ def _convert(x, e):
 
 @gluon.jit
 def _write_info(info, b, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
-    """Block ``i_b``'s row addresses into buffer ``b`` of ``info`` (see :func:`_load_chunk`)."""
-    p_row, p_scale, valid = _row_ptrs(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-    info[0].index(b).store(gl.where(valid, p_row.to(gl.int64), -1))
-    info[1].index(b).store(gl.where(valid, p_scale.to(gl.int64), -1))
+    """Block ``i_b``'s row offsets into buffer ``b`` of ``info`` (see :func:`_load_chunk`)."""
+    _, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+    info[0].index(b).store(gl.where(valid, o_row, -1))
+    info[1].index(b).store(o_scale)
 
 
 @gluon.jit
@@ -183,7 +184,8 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
             st = i % STAGES
             slot = slot_next
             slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
-            p_row, _, valid = _row_ptrs(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+            kv, o_row, _, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+            p_row = kv + o_row
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
             async_copy.async_copy_global_to_shared(kbuf.index(st), p_row[:, None] + o_d[None, :], mask=valid[:, None])
@@ -207,27 +209,30 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
         _write_info(info, 0, _slots(i_b0, o_b, n > 0, *slot_args, BN), i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
         slot_next = _slots(i_b0 + 1, o_b, n > 1, *slot_args, BN)
         gl.thread_barrier()
-        x0, e0 = _load_chunk(info, 0, 0, n > 0, o_g, o_w, FMT, RB, L3)
-        x1, e1 = _load_chunk(info, 0, RB, n > 0, o_g, o_w, FMT, RB, L3)
-        x2, e2 = _load_chunk(info, 0, 2 * RB, n > 0, o_g, o_w, FMT, RB, L3)
+        kv = gl.where(i_b0 < nb_swa, seg[0], seg[7])  # block i_b0's cache (SWA or compressed)
+        x0, e0 = _load_chunk(info, 0, kv, 0, n > 0, o_g, o_w, FMT, RB, L3)
+        x1, e1 = _load_chunk(info, 0, kv, RB, n > 0, o_g, o_w, FMT, RB, L3)
+        x2, e2 = _load_chunk(info, 0, kv, 2 * RB, n > 0, o_g, o_w, FMT, RB, L3)
         for i in range(n):
             st = i % STAGES
             _write_info(info, (i + 1) % 2, slot_next, i_b0 + i + 1, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
             slot_next = _slots(i_b0 + i + 2, o_b, i + 2 < n, *slot_args, BN)
             gl.thread_barrier()
             valid = info[0].index(i % 2).load(LB) >= 0
+            kv = gl.where(i_b0 + i < nb_swa, seg[0], seg[7])
+            kv_next = gl.where(i_b0 + i + 1 < nb_swa, seg[0], seg[7])
             if FMT == 2:
-                a_rope = info[0].index(i % 2).load(gl.SliceLayout(1, LR))
-                p_rope = (a_rope + 448).to(gl.pointer_type(gl.bfloat16))
+                o_rope = info[0].index(i % 2).load(gl.SliceLayout(1, LR))
+                p_rope = (kv + gl.multiple_of(o_rope, 16) + 448).to(gl.pointer_type(gl.bfloat16))
                 o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
-                rope = gl.load(p_rope[:, None] + o_c[None, :], mask=(a_rope >= 0)[:, None], other=0.0)
+                rope = gl.load(p_rope[:, None] + o_c[None, :], mask=(o_rope >= 0)[:, None], other=0.0)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
             tile = kbuf.index(st)
             for c in gl.static_range(CH):
                 # chunk c + 3 of this block, or of the next one
-                x3, e3 = _load_chunk(info, (i + (c + 3) // CH) % 2, ((c + 3) % CH) * RB,
-                                     i + (c + 3) // CH < n, o_g, o_w, FMT, RB, L3)
+                x3, e3 = _load_chunk(info, (i + (c + 3) // CH) % 2, kv_next if c + 3 >= CH else kv,
+                                     ((c + 3) % CH) * RB, i + (c + 3) // CH < n, o_g, o_w, FMT, RB, L3)
                 tile.slice(c * RB, RB).store(_convert(x0, e0))
                 x0, e0, x1, e1, x2, e2 = x1, e1, x2, e2, x3, e3
             if FMT == 2:  # after every chunk (zeros in columns 448..511) is stored
