@@ -80,6 +80,12 @@ def _slots(i_b, o_r, live, i_t, n_swa, n_cmp, nb_swa, seg, BN: gl.constexpr):
 
 
 @gluon.jit
+def _cache(i_b, nb_swa, seg):
+    """The cache block ``i_b`` reads: the SWA one for the first ``nb_swa`` blocks."""
+    return gl.where(i_b < nb_swa, seg[0], seg[7])
+
+
+@gluon.jit
 def _row_offsets(slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
     """:func:`_slots` -> (block ``i_b``'s cache, each row's data and scale offsets in it, in
     elements, valid); an invalid row's offsets are its page base and are never read."""
@@ -97,7 +103,7 @@ def _row_offsets(slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr
     else:
         o_page = (slot // page).to(gl.int64) * stride
         off = slot % page
-    return gl.where(is_swa, swa_kv, cmp_kv), o_page + off * DATA, o_page + page * DATA + off * SCALE, valid
+    return _cache(i_b, nb_swa, seg), o_page + off * DATA, o_page + page * DATA + off * SCALE, valid
 
 
 @gluon.jit
@@ -209,7 +215,7 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
         _write_info(info, 0, _slots(i_b0, o_b, n > 0, *slot_args, BN), i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
         slot_next = _slots(i_b0 + 1, o_b, n > 1, *slot_args, BN)
         gl.thread_barrier()
-        kv = gl.where(i_b0 < nb_swa, seg[0], seg[7])  # block i_b0's cache (SWA or compressed)
+        kv = _cache(i_b0, nb_swa, seg)
         x0, e0 = _load_chunk(info, 0, kv, 0, n > 0, o_g, o_w, FMT, RB, L3)
         x1, e1 = _load_chunk(info, 0, kv, RB, n > 0, o_g, o_w, FMT, RB, L3)
         x2, e2 = _load_chunk(info, 0, kv, 2 * RB, n > 0, o_g, o_w, FMT, RB, L3)
@@ -219,8 +225,8 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
             slot_next = _slots(i_b0 + i + 2, o_b, i + 2 < n, *slot_args, BN)
             gl.thread_barrier()
             valid = info[0].index(i % 2).load(LB) >= 0
-            kv = gl.where(i_b0 + i < nb_swa, seg[0], seg[7])
-            kv_next = gl.where(i_b0 + i + 1 < nb_swa, seg[0], seg[7])
+            kv = _cache(i_b0 + i, nb_swa, seg)
+            kv_next = _cache(i_b0 + i + 1, nb_swa, seg)
             if FMT == 2:
                 o_rope = info[0].index(i % 2).load(gl.SliceLayout(1, LR))
                 p_rope = (kv + gl.multiple_of(o_rope, 16) + 448).to(gl.pointer_type(gl.bfloat16))
