@@ -113,7 +113,7 @@ def _load_kv(p_row, p_scale, m_row, col0,
         if FMT == 2:
             o_r = tl.arange(0, 64)
             m_rope = m_row[:, None] & (col0 + DW > 448)
-            if ROPE_BYTES:  # rows off 16 bytes: the bf16 values may sit at odd addresses
+            if ROPE_BYTES:  # odd page stride: the bf16 values are not 2-byte aligned
                 p_lo = p_row[:, None] + 448 + 2 * o_r[None, :]
                 b_lo = tl.load(p_lo, mask=m_rope, other=0).to(tl.uint16)
                 b_hi = tl.load(p_lo + 1, mask=m_rope, other=0).to(tl.uint16)
@@ -367,12 +367,12 @@ def sparse_mla_triton(
     if cmp_cache is None:  # an empty second segment: K = 0, any valid pointers
         cmp_cache, cmp_indices, cmp_lens = swa_cache, swa_indices[:, :0], swa_lens
     W, K = swa_indices.shape[1], cmp_indices.shape[1]
-    # rows off 16 bytes (page strides or offsets not multiples of 16 bytes): fp8_ds_mla's bf16
-    # RoPE values are read byte by byte, and the Gluon kernel (16-byte copies of rows and of
-    # q's heads) hands the call to the tl kernel
-    unaligned = any(c.stride(0) * c.element_size() % 16 or c.storage_offset() * c.element_size() % 16
-                    for c in (swa_cache, cmp_cache))
-    if cfg.gluon and (unaligned or q.stride(0) % 8 or q.stride(1) % 8 or q.storage_offset() % 8):
+    # the Gluon kernel copies rows and q's heads 16 bytes at a time: caches whose rows are
+    # off 16 bytes (page strides or offsets) and q off 16 bytes run the tl kernel instead
+    if cfg.gluon and (
+        any(c.stride(0) * c.element_size() % 16 or c.storage_offset() * c.element_size() % 16 for c in (swa_cache, cmp_cache))
+        or q.stride(0) % 8 or q.stride(1) % 8 or q.storage_offset() % 8
+    ):
         cfg = CONFIGS[kv_format]
     traced = isinstance(q, FunctionalTensor)
     if traced:  # partials of this launch only: a traced graph owns its buffers (no global cache)
@@ -389,6 +389,8 @@ def sparse_mla_triton(
         part_lse = torch.empty((n_split * T * H,), dtype=torch.float32, device=q.device)
     else:
         part_o, part_lse = buf.part_o, buf.part_lse
+    # fp8_ds_mla's bf16 RoPE values sit at odd addresses when a page stride is odd
+    rope_bytes = fmt == 2 and any(c.stride(0) % 2 or c.storage_offset() % 2 for c in (swa_cache, cmp_cache))
     # power-of-two page sizes (the usual 64 / 256) map slots to pages with shifts
     pages = (swa_cache.shape[1], cmp_cache.shape[1])
     page_shift = all(p > 0 and p & (p - 1) == 0 for p in pages)
@@ -418,7 +420,7 @@ def sparse_mla_triton(
         launchable(_sparse_mla_kernel, q)[grid](
             *launch_args,
             FMT=fmt, DATA=data, SCALE=scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=cfg.dsplit,
-            PAGE_SHIFT=page_shift, ROPE_BYTES=unaligned, UPCAST=INTERPRET, ITERS=iters,
+            PAGE_SHIFT=page_shift, ROPE_BYTES=rope_bytes, UPCAST=INTERPRET, ITERS=iters,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if isinstance(n_split, int):
