@@ -47,6 +47,8 @@ RB = 8  # rows per dequantization chunk in the producer (four chunks in its regi
 # registers per producer thread, per FMT (the consumers get the rest of 168 x 12 warps);
 # fp8_ds_mla's RoPE tile needs more (H200: 104 vs 88 took T = 512 from 258 to 248 us)
 PRODUCER_REGS = {0: 88, 1: 88, 2: 104, 3: 88}
+AHEAD = {0: 0, 1: 3, 2: 3, 3: 3}
+RIGHT_REGS = 176  # warpgroup 1: its 128 accumulator registers and addresses
 MAX_REGS = 168
 
 
@@ -174,7 +176,7 @@ def _write_info(info, b, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.c
 @gluon.jit
 def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
               FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-              BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr):
+              BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr, AHEAD: gl.constexpr):
     swa_len, cmp_len, W, K, n_split = span_args
     n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
@@ -208,7 +210,7 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
         LB: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         CH: gl.constexpr = BN // RB
-        gl.static_assert(CH >= 3)
+        gl.static_assert(CH >= AHEAD)
         o_b = gl.arange(0, BN, LB)
         o_g = gl.arange(0, 32, gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
         o_w = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
@@ -216,9 +218,9 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
         slot_next = _slots(i_b0 + 1, o_b, n > 1, *slot_args, BN)
         gl.thread_barrier()
         kv = _cache(i_b0, nb_swa, seg)
-        x0, e0 = _load_chunk(info, 0, kv, 0, n > 0, o_g, o_w, FMT, RB, L3)
-        x1, e1 = _load_chunk(info, 0, kv, RB, n > 0, o_g, o_w, FMT, RB, L3)
-        x2, e2 = _load_chunk(info, 0, kv, 2 * RB, n > 0, o_g, o_w, FMT, RB, L3)
+        ahead = ()
+        for c in gl.static_range(AHEAD):
+            ahead = ahead + (_load_chunk(info, 0, kv, c * RB, n > 0, o_g, o_w, FMT, RB, L3), )
         for i in range(n):
             st = i % STAGES
             _write_info(info, (i + 1) % 2, slot_next, i_b0 + i + 1, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
@@ -236,11 +238,12 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
             tile = kbuf.index(st)
             for c in gl.static_range(CH):
-                # chunk c + 3 of this block, or of the next one
-                x3, e3 = _load_chunk(info, (i + (c + 3) // CH) % 2, kv_next if c + 3 >= CH else kv,
-                                     ((c + 3) % CH) * RB, i + (c + 3) // CH < n, o_g, o_w, FMT, RB, L3)
-                tile.slice(c * RB, RB).store(_convert(x0, e0))
-                x0, e0, x1, e1, x2, e2 = x1, e1, x2, e2, x3, e3
+                # chunk c + AHEAD of this block, or of the next one
+                nxt = _load_chunk(info, (i + (c + AHEAD) // CH) % 2, kv_next if c + AHEAD >= CH else kv,
+                                  ((c + AHEAD) % CH) * RB, i + (c + AHEAD) // CH < n, o_g, o_w, FMT, RB, L3)
+                x, e = ahead[0]
+                tile.slice(c * RB, RB).store(_convert(x, e))
+                ahead = ahead[1:] + (nxt, )
             if FMT == 2:  # after every chunk (zeros in columns 448..511) is stored
                 gl.thread_barrier()
                 tile.slice(448, 64, dim=1).store(rope)
@@ -250,21 +253,25 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
 
 
 @gluon.jit
-def _softmax(s, b, m_i, l_acc, qk_scale):
+def _softmax(s, b, m_i, l_i, qk_scale):
     """One block's scores -> bf16 weights ``p``, with the running max ``m_i`` and the
-    unreduced running sum ``l_acc`` (``[64, BN]``, summed over the row once at the end)."""
+    running row sum ``l_i`` (each row lives in one warp's quad: no shared memory)."""
     s = s * qk_scale + b[None, :]
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_acc = l_acc * alpha[:, None] + p
-    return p.to(gl.bfloat16), alpha, m_new, l_acc
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p.to(gl.bfloat16), alpha, m_new, l_i
 
 
 @gluon.jit
-def _consumer(q_smem, kbuf, bias, p_smem, ready, empty, q_ptrs, i_t, i_s, span_args, qk_scale,
-              BN: gl.constexpr, STAGES: gl.constexpr):
+def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
+                   q_ptrs, i_t, i_s, span_args, qk_scale, BN: gl.constexpr, STAGES: gl.constexpr):
+    """Warpgroup 0: ``S = Q K^T`` for the whole block (``wgmma`` m64n64), the softmax, and
+    ``O[:, :256] += P K[:, :256]`` with ``P`` from registers; hands ``P`` and the rescale
+    factor to :func:`_consumer_right` through shared memory, and the final row max and sum
+    after the last block. Returns its output half, the row max and the row sum."""
     swa_len, cmp_len, W, K, n_split = span_args
     _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
@@ -275,32 +282,92 @@ def _consumer(q_smem, kbuf, bias, p_smem, ready, empty, q_ptrs, i_t, i_s, span_a
     fence_async_shared()
     gl.thread_barrier()
 
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    acc = warpgroup_mma_init(gl.zeros([64, 512], gl.float32, O_L))
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    acc = gl.zeros([64, 256], gl.float32, O_L)
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_acc = gl.zeros([64, BN], gl.float32, S_L)
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_L))
     for i in range(n):
         st = i % STAGES
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         tile = kbuf.index(st)
         s = warpgroup_mma(q_smem, tile.permute((1, 0)), gl.zeros([64, BN], gl.float32, S_L),
                           use_acc=False, is_async=True)
-        # waiting for S also retires this warpgroup's P K of block i - 1; after the barrier,
-        # both warpgroups' are: block i - 1's tile can be refilled and P overwritten
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
-        p, alpha, m_i, l_acc = _softmax(s, bias.index(st).load(gl.SliceLayout(0, S_L)), m_i, l_acc, qk_scale)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        p, alpha, m_i, l_i = _softmax(s, bias.index(st).load(gl.SliceLayout(0, S_L)), m_i, l_i, qk_scale)
+        mbarrier.wait(p_free, (i & 1) ^ 1, pred=i > 0)  # the right half has used P of block i - 1
         p_smem.store(p)
+        alpha_smem.store(alpha)
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(p_smem, tile, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    l_i = gl.sum(l_acc, 1)
+        mbarrier.arrive(p_ready, count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        # the right half's P K runs while this one finishes; the tensor cores stay busy
+        acc = warpgroup_mma(gl.convert_layout(p, P_L), tile.slice(0, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(st), count=1)
+    ml_smem.index(0).store(m_i)
+    ml_smem.index(1).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(fin, count=1)
     return acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+
+
+@gluon.jit
+def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
+                    i_t, i_hb, i_s, span_args, epilogue_args, BN: gl.constexpr, STAGES: gl.constexpr):
+    """Warpgroup 1: ``O[:, 256:] += P K[:, 256:]`` with :func:`_consumer_left`'s ``P`` and
+    rescale factor, then stores its output half (:func:`_epilogue`)."""
+    swa_len, cmp_len, W, K, n_split = span_args
+    _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
+    n = i_b1 - i_b0
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    acc = gl.zeros([64, 256], gl.float32, O_L)
+    for i in range(n):
+        st = i % STAGES
+        mbarrier.wait(p_ready, i & 1)
+        acc = acc * alpha_smem.load(gl.SliceLayout(1, O_L))[:, None]
+        acc = warpgroup_mma(p_smem, kbuf.index(st).slice(256, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        gl.thread_barrier()
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(empty.index(st), count=1)
+    mbarrier.wait(fin, 0)
+    m_i = ml_smem.index(0).load(gl.SliceLayout(1, O_L))
+    l_i = ml_smem.index(1).load(gl.SliceLayout(1, O_L))
+    _epilogue(acc, m_i, l_i, 256, False, i_t, i_hb, i_s, epilogue_args)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, c0, WRITE_LSE: gl.constexpr, i_t, i_hb, i_s, epilogue_args):
+    """Store output columns ``[c0, c0 + 256)`` of this program's partial: normalised output
+    and base-2 LSE (``-inf`` when it saw nothing); with one split, fold the sink in and
+    write ``out`` and ``lse`` directly. Only the ``WRITE_LSE`` caller writes the LSE."""
+    out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale = epilogue_args
+    O_L: gl.constexpr = acc.type.layout
+    o_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, O_L))
+    o_v = c0 + gl.arange(0, 256, gl.SliceLayout(0, O_L))
+    m_h = o_h < H
+    o = gl.where(l_i[:, None] > 0, acc * (kv_scale / l_i[:, None]), 0.0)
+    lse_p = gl.where(l_i > 0, gl.where(m_i == float("-inf"), 0.0, m_i) + gl.log2(l_i), float("-inf"))
+    if n_split == 1:
+        # fold the sink in: one more partial, with lse = sink * log2(e) and output 0
+        sk = gl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
+        mx = gl.maximum(lse_p, sk)
+        mx = gl.where(mx == float("-inf"), 0.0, mx)
+        lse_all = mx + gl.log2(gl.exp2(lse_p - mx) + gl.exp2(sk - mx))
+        w = gl.where(lse_all == float("-inf"), 0.0, gl.exp2(lse_p - lse_all))
+        gl.store(out + (i_t * H + o_h[:, None]) * 512 + o_v[None, :], (o * w[:, None]).to(gl.bfloat16),
+                 mask=m_h[:, None])
+        if WRITE_LSE:
+            gl.store(lse + i_t * H + o_h, lse_all, mask=m_h)
+    else:
+        o_row = (i_s * T + i_t) * H + o_h
+        gl.store(part_o + o_row[:, None] * 512 + o_v[None, :], o, mask=m_h[:, None])
+        if WRITE_LSE:
+            gl.store(part_lse + o_row, lse_p, mask=m_h)
 
 
 @gluon.jit(
@@ -317,7 +384,7 @@ def _sparse_mla_ws_kernel(
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
     FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    AHEAD: gl.constexpr, PRODUCER_REGS: gl.constexpr, RIGHT_REGS: gl.constexpr,
 ):
     """Grid ``(T * ceil(H / 64), n_split)``; arguments as ``triton._sparse_mla_kernel``'s."""
     qk_scale = qk_scale.to(gl.float32)
@@ -333,48 +400,39 @@ def _sparse_mla_ws_kernel(
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], q_layout)
     kbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], k_layout)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BN], p_layout)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [64], b_layout)
+    ml_smem = gl.allocate_shared_memory(gl.float32, [2, 64], b_layout)
     bias = gl.allocate_shared_memory(gl.float32, [STAGES, BN], b_layout)
     info = (gl.allocate_shared_memory(gl.int64, [2, BN], b_layout), gl.allocate_shared_memory(gl.int64, [2, BN], b_layout))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a tile
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(fin, count=1)
 
-    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     o_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, LQ))
     o_d = gl.arange(0, 512, gl.SliceLayout(0, LQ))
     q_ptrs = (q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], (o_h < H)[:, None])
     span_args = (swa_len, cmp_len, W, K, n_split)
     seg = (swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots,
            cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots)
+    epilogue_args = (out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale)
     acc, m_i, l_i = gl.warp_specialize([
-        (_consumer, (q_smem, kbuf, bias, p_smem, ready, empty, q_ptrs, i_t, i_s, span_args, qk_scale, BN, STAGES)),
+        (_consumer_left, (q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
+                          q_ptrs, i_t, i_s, span_args, qk_scale, BN, STAGES)),
+        (_consumer_right, (kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
+                           i_t, i_hb, i_s, span_args, epilogue_args, BN, STAGES)),
         (_producer, (kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
-                     FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES, RB)),
-    ], [4], [PRODUCER_REGS])
-
-    # this program's partial: normalised output and base-2 LSE (-inf when it saw nothing)
-    O_L: gl.constexpr = acc.type.layout
-    o_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, O_L))
-    o_v = gl.arange(0, 512, gl.SliceLayout(0, O_L))
-    m_h = o_h < H
-    o = gl.where(l_i[:, None] > 0, acc * (kv_scale / l_i[:, None]), 0.0)
-    lse_p = gl.where(l_i > 0, gl.where(m_i == float("-inf"), 0.0, m_i) + gl.log2(l_i), float("-inf"))
-    if n_split == 1:
-        # fold the sink in: one more partial, with lse = sink * log2(e) and output 0
-        sk = gl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
-        mx = gl.maximum(lse_p, sk)
-        mx = gl.where(mx == float("-inf"), 0.0, mx)
-        lse_all = mx + gl.log2(gl.exp2(lse_p - mx) + gl.exp2(sk - mx))
-        w = gl.where(lse_all == float("-inf"), 0.0, gl.exp2(lse_p - lse_all))
-        gl.store(out + (i_t * H + o_h[:, None]) * 512 + o_v[None, :], (o * w[:, None]).to(gl.bfloat16),
-                 mask=m_h[:, None])
-        gl.store(lse + i_t * H + o_h, lse_all, mask=m_h)
-    else:
-        o_row = (i_s * T + i_t) * H + o_h
-        gl.store(part_o + o_row[:, None] * 512 + o_v[None, :], o, mask=m_h[:, None])
-        gl.store(part_lse + o_row, lse_p, mask=m_h)
+                     FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES, RB, AHEAD)),
+    ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
+    _epilogue(acc, m_i, l_i, 0, True, i_t, i_hb, i_s, epilogue_args)
 
 
 def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift: bool) -> None:
@@ -383,8 +441,8 @@ def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift:
     _sparse_mla_ws_kernel[grid](
         *launch_args,
         FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
-        BN=BN, STAGES=STAGES, RB=RB, PRODUCER_REGS=PRODUCER_REGS[fmt],
-        num_warps=8, maxnreg=MAX_REGS,
+        BN=BN, STAGES=STAGES, RB=RB, AHEAD=AHEAD[fmt], PRODUCER_REGS=PRODUCER_REGS[fmt], RIGHT_REGS=RIGHT_REGS,
+        num_warps=4, maxnreg=MAX_REGS,
     )
 
 
