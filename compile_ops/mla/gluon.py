@@ -6,19 +6,21 @@ inline, and the fallback off sm_90 or for caches whose rows are not 16-byte alig
 the schedule on the SM differs. One program owns one token, 64 heads and a range of 64-row
 blocks (SWA blocks first), and runs three warpgroups:
 
-* a **producer** warpgroup (4 warps, 88-104 registers) fills a ring of two bf16 key tiles
+* a **producer** warpgroup (4 warps, 112-128 registers) fills a ring of two bf16 key tiles
   in shared memory: ``bf16`` rows with ``cp.async`` straight into the MMA layout; the fp8
-  formats as raw 16-byte words in registers, loaded three 8-row chunks ahead of their
+  formats as raw 16-byte words in registers, loaded five or six 8-row chunks ahead of their
   dequantization (across block boundaries and while it waits for a free tile), then
-  ``cvt.rn.f16x2.e4m3x2`` times the UE8M0 scale (exact in bf16) and stored as bf16. Every
+  ``cvt.rn.f16x2.e4m3x2`` times the UE8M0 scale (exact in bf16) and stored as bf16;
+  ``fp8_ds_mla``'s bf16 RoPE columns go by ``cp.async`` into a tile of their own. Every
   block's slots are loaded one block ahead and its row addresses kept in shared memory, so
   no load waits for another load. It writes each row's score bias (0, or ``-inf`` for a
   hole) next to the tile and signals ``ready``;
-* two **consumer** warpgroups (the default partition, 8 warps) compute ``S = Q K^T`` with
-  each warpgroup owning half of the block's rows (``wgmma`` with ``warps_per_cta = [4, 2]``:
-  no warpgroup recomputes the other's scores, unlike ``tl``'s chained-dot heuristic), share
-  the row max and the bf16 ``P`` through shared memory, and each owns 256 of the 512 output
-  columns for ``O += P K``; then they release the tile (``empty``).
+* consumer **warpgroup 0** (the default partition) computes the whole ``S = Q K^T`` of a block
+  (``wgmma`` m64n64, reading Q once), the online softmax, and ``O[:, :256] += P K[:, :256]``
+  with ``P`` from registers; it hands ``P`` and the rescale factor to
+* consumer **warpgroup 1**, which only computes ``O[:, 256:] += P K[:, 256:]``, so its
+  product overlaps warpgroup 0's next ``Q K^T`` and softmax. Each releases the tile
+  (``empty``) after its own product.
 
 So the gather and dequantization of block ``i + 1`` run on the producer's warps while the
 tensor cores work on block ``i`` (FlashMLA's SM90 sparse decoding splits its warps the same
@@ -37,18 +39,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
 BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same split-K)
-STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB + P (8 KB) fill the 227 KB
-RB = 8  # rows per dequantization chunk in the producer (four chunks in its registers)
-# registers per producer thread, per FMT (the consumers get the rest of 168 x 12 warps);
-# fp8_ds_mla's RoPE tile needs more (H200: 104 vs 88 took T = 512 from 258 to 248 us)
-PRODUCER_REGS = {0: 88, 1: 88, 2: 104, 3: 88}
-AHEAD = {0: 0, 1: 3, 2: 3, 3: 3}
-RIGHT_REGS = 176  # warpgroup 1: its 128 accumulator registers and addresses
+STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB (+ 2 x 8 KB RoPE) + P (8 KB) fill the 227 KB
+RB = 8  # rows per dequantization chunk in the producer
+# fp8 chunks whose raw words are in flight in the producer's registers, and its registers per
+# thread, per FMT (H200, T = 512: bf16 88 -> 112 registers, no spills: 161 -> 147 us;
+# fp8_ds_mla 3 -> 6 chunks ahead: 188 -> 178 us; fp8_dsv41 3 -> 5: 194 -> 169 us)
+PRODUCER_REGS = {0: 112, 1: 128, 2: 128, 3: 128}
+AHEAD = {0: 0, 1: 6, 2: 6, 3: 5}
+RIGHT_REGS = 176  # warpgroup 1: 128 accumulator registers; fewer serializes its wgmma
 MAX_REGS = 168
 
 
@@ -174,7 +176,7 @@ def _write_info(info, b, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.c
 
 
 @gluon.jit
-def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
+def _producer(kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg,
               FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
               BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr, AHEAD: gl.constexpr):
     swa_len, cmp_len, W, K, n_split = span_args
@@ -203,7 +205,7 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
             gl.thread_barrier()
             mbarrier.arrive(ready.index(st), count=1)
     else:
-        # raw words through registers in chunks of RB rows, loaded three chunks ahead of the
+        # raw words through registers in chunks of RB rows, loaded AHEAD chunks ahead of the
         # dequantization, across block boundaries and while waiting for a free tile; the
         # row addresses of the current and the next block sit in `info` (two buffers)
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0])
@@ -229,14 +231,16 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
             valid = info[0].index(i % 2).load(LB) >= 0
             kv = _cache(i_b0 + i, nb_swa, seg)
             kv_next = _cache(i_b0 + i + 1, nb_swa, seg)
-            if FMT == 2:
-                o_rope = info[0].index(i % 2).load(gl.SliceLayout(1, LR))
-                p_rope = (kv + gl.multiple_of(o_rope, 16) + 448).to(gl.pointer_type(gl.bfloat16))
-                o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
-                rope = gl.load(p_rope[:, None] + o_c[None, :], mask=(o_rope >= 0)[:, None], other=0.0)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
             tile = kbuf.index(st)
+            if FMT == 2:  # the bf16 RoPE columns go by cp.async to their own tile, meanwhile
+                o_rope = info[0].index(i % 2).load(gl.SliceLayout(1, LR))
+                p_rope = (kv + gl.multiple_of(o_rope, 16) + 448).to(gl.pointer_type(gl.bfloat16))
+                o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
+                async_copy.async_copy_global_to_shared(rope_buf.index(st), p_rope[:, None] + o_c[None, :],
+                                                       mask=(o_rope >= 0)[:, None])
+                async_copy.commit_group()
             for c in gl.static_range(CH):
                 # chunk c + AHEAD of this block, or of the next one
                 nxt = _load_chunk(info, (i + (c + AHEAD) // CH) % 2, kv_next if c + AHEAD >= CH else kv,
@@ -244,9 +248,8 @@ def _producer(kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
                 x, e = ahead[0]
                 tile.slice(c * RB, RB).store(_convert(x, e))
                 ahead = ahead[1:] + (nxt, )
-            if FMT == 2:  # after every chunk (zeros in columns 448..511) is stored
-                gl.thread_barrier()
-                tile.slice(448, 64, dim=1).store(rope)
+            if FMT == 2:
+                async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ready.index(st), count=1)
@@ -266,8 +269,9 @@ def _softmax(s, b, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
-                   q_ptrs, i_t, i_s, span_args, qk_scale, BN: gl.constexpr, STAGES: gl.constexpr):
+def _consumer_left(q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
+                   q_ptrs, i_t, i_s, span_args, qk_scale, FMT: gl.constexpr, BN: gl.constexpr,
+                   STAGES: gl.constexpr):
     """Warpgroup 0: ``S = Q K^T`` for the whole block (``wgmma`` m64n64), the softmax, and
     ``O[:, :256] += P K[:, :256]`` with ``P`` from registers; hands ``P`` and the rescale
     factor to :func:`_consumer_right` through shared memory, and the final row max and sum
@@ -292,8 +296,15 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
         st = i % STAGES
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         tile = kbuf.index(st)
-        s = warpgroup_mma(q_smem, tile.permute((1, 0)), gl.zeros([64, BN], gl.float32, S_L),
-                          use_acc=False, is_async=True)
+        # over columns 0..255, 256..383, 384..447 and the _tail 448..511
+        s = warpgroup_mma(q_smem.slice(0, 256, dim=1), tile.slice(0, 256, dim=1).permute((1, 0)),
+                          gl.zeros([64, BN], gl.float32, S_L), use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem.slice(256, 128, dim=1), tile.slice(256, 128, dim=1).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma(q_smem.slice(384, 64, dim=1), tile.slice(384, 64, dim=1).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma(q_smem.slice(448, 64, dim=1), _tail(tile, rope_buf, st, FMT).permute((1, 0)), s,
+                          is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         p, alpha, m_i, l_i = _softmax(s, bias.index(st).load(gl.SliceLayout(0, S_L)), m_i, l_i, qk_scale)
         mbarrier.wait(p_free, (i & 1) ^ 1, pred=i > 0)  # the right half has used P of block i - 1
@@ -316,39 +327,63 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
 
 
 @gluon.jit
-def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
-                    i_t, i_hb, i_s, span_args, epilogue_args, BN: gl.constexpr, STAGES: gl.constexpr):
+def _consumer_right(kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
+                    i_t, i_hb, i_s, span_args, epilogue_args, FMT: gl.constexpr, BN: gl.constexpr,
+                    STAGES: gl.constexpr):
     """Warpgroup 1: ``O[:, 256:] += P K[:, 256:]`` with :func:`_consumer_left`'s ``P`` and
-    rescale factor, then stores its output half (:func:`_epilogue`)."""
+    rescale factor, in three accumulators (columns 256..383, 384..447 and the :func:`_tail`
+    448..511), then stores its output half (:func:`_epilogue`)."""
     swa_len, cmp_len, W, K, n_split = span_args
     _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    acc = gl.zeros([64, 256], gl.float32, O_L)
+    L128: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    L64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    acc = gl.zeros([64, 128], gl.float32, L128)
+    acc_b = gl.zeros([64, 64], gl.float32, L64)
+    acc_c = gl.zeros([64, 64], gl.float32, L64)
     for i in range(n):
         st = i % STAGES
+        tile = kbuf.index(st)
         mbarrier.wait(p_ready, i & 1)
-        acc = acc * alpha_smem.load(gl.SliceLayout(1, O_L))[:, None]
-        acc = warpgroup_mma(p_smem, kbuf.index(st).slice(256, 256, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = acc * alpha_smem.load(gl.SliceLayout(1, L128))[:, None]
+        alpha = alpha_smem.load(gl.SliceLayout(1, L64))[:, None]
+        acc_b = acc_b * alpha
+        acc_c = acc_c * alpha
+        acc = warpgroup_mma(p_smem, tile.slice(256, 128, dim=1), acc, is_async=True)
+        acc_b = warpgroup_mma(p_smem, tile.slice(384, 64, dim=1), acc_b, is_async=True)
+        acc_c = warpgroup_mma(p_smem, _tail(tile, rope_buf, st, FMT), acc_c, is_async=True)
+        acc, acc_b, acc_c = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_b, acc_c))
         gl.thread_barrier()
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(empty.index(st), count=1)
     mbarrier.wait(fin, 0)
-    m_i = ml_smem.index(0).load(gl.SliceLayout(1, O_L))
-    l_i = ml_smem.index(1).load(gl.SliceLayout(1, O_L))
+    m_i = ml_smem.index(0).load(gl.SliceLayout(1, L128))
+    l_i = ml_smem.index(1).load(gl.SliceLayout(1, L128))
     _epilogue(acc, m_i, l_i, 256, False, i_t, i_hb, i_s, epilogue_args)
+    m_i = ml_smem.index(0).load(gl.SliceLayout(1, L64))
+    l_i = ml_smem.index(1).load(gl.SliceLayout(1, L64))
+    _epilogue(acc_b, m_i, l_i, 384, False, i_t, i_hb, i_s, epilogue_args)
+    _epilogue(acc_c, m_i, l_i, 448, False, i_t, i_hb, i_s, epilogue_args)
+
+
+@gluon.jit
+def _tail(tile, rope_buf, st, FMT: gl.constexpr):
+    """Key columns 448..511 of tile ``st``: fp8_ds_mla's RoPE tile, else the tile's own."""
+    if FMT == 2:
+        return rope_buf.index(st)
+    else:
+        return tile.slice(448, 64, dim=1)
 
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, c0, WRITE_LSE: gl.constexpr, i_t, i_hb, i_s, epilogue_args):
-    """Store output columns ``[c0, c0 + 256)`` of this program's partial: normalised output
+    """Store output columns ``[c0, c0 + acc.shape[1])`` of this program's partial: normalised output
     and base-2 LSE (``-inf`` when it saw nothing); with one split, fold the sink in and
     write ``out`` and ``lse`` directly. Only the ``WRITE_LSE`` caller writes the LSE."""
     out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale = epilogue_args
     O_L: gl.constexpr = acc.type.layout
     o_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, O_L))
-    o_v = c0 + gl.arange(0, 256, gl.SliceLayout(0, O_L))
+    o_v = c0 + gl.arange(0, acc.type.shape[1], gl.SliceLayout(0, O_L))
     m_h = o_h < H
     o = gl.where(l_i[:, None] > 0, acc * (kv_scale / l_i[:, None]), 0.0)
     lse_p = gl.where(l_i > 0, gl.where(m_i == float("-inf"), 0.0, m_i) + gl.log2(l_i), float("-inf"))
@@ -399,6 +434,11 @@ def _sparse_mla_ws_kernel(
     b_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], q_layout)
     kbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], k_layout)
+    if FMT == 2:  # its bf16 RoPE columns (448..511) get their own tiles, filled by cp.async
+        rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16)
+        rope_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 64], rope_layout)
+    else:
+        rope_buf = kbuf
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BN], p_layout)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [64], b_layout)
     ml_smem = gl.allocate_shared_memory(gl.float32, [2, 64], b_layout)
@@ -425,11 +465,11 @@ def _sparse_mla_ws_kernel(
            cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots)
     epilogue_args = (out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale)
     acc, m_i, l_i = gl.warp_specialize([
-        (_consumer_left, (q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
-                          q_ptrs, i_t, i_s, span_args, qk_scale, BN, STAGES)),
-        (_consumer_right, (kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
-                           i_t, i_hb, i_s, span_args, epilogue_args, BN, STAGES)),
-        (_producer, (kbuf, bias, info, ready, empty, i_t, i_s, span_args, seg,
+        (_consumer_left, (q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready,
+                          p_free, fin, q_ptrs, i_t, i_s, span_args, qk_scale, FMT, BN, STAGES)),
+        (_consumer_right, (kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
+                           i_t, i_hb, i_s, span_args, epilogue_args, FMT, BN, STAGES)),
+        (_producer, (kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg,
                      FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES, RB, AHEAD)),
     ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
     _epilogue(acc, m_i, l_i, 0, True, i_t, i_hb, i_s, epilogue_args)
