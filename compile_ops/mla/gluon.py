@@ -44,12 +44,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same split-K)
 STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB (+ 2 x 8 KB RoPE) + P (8 KB) fill the 227 KB
-RB = 8  # rows per dequantization chunk in the producer
 # fp8 chunks whose raw words are in flight in the producer's registers, and its registers per
 # thread, per FMT (H200, T = 512: bf16 88 -> 112 registers, no spills: 161 -> 147 us;
 # fp8_ds_mla 3 -> 6 chunks ahead: 188 -> 178 us; fp8_dsv41 3 -> 5: 194 -> 169 us)
-PRODUCER_REGS = {0: 112, 1: 128, 2: 128, 3: 128}
-AHEAD = {0: 0, 1: 6, 2: 6, 3: 5}
+RB = {0: 0, 1: 32, 2: 16, 3: 32}  # rows per dequantization chunk
+PRODUCER_REGS = {0: 112, 1: 120, 2: 128, 3: 128}
+AHEAD = {0: 0, 1: 1, 2: 3, 3: 1}
 RIGHT_REGS = 176  # warpgroup 1: 128 accumulator registers; fewer serializes its wgmma
 MAX_REGS = 168
 
@@ -481,7 +481,7 @@ def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift:
     _sparse_mla_ws_kernel[grid](
         *launch_args,
         FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
-        BN=BN, STAGES=STAGES, RB=RB, AHEAD=AHEAD[fmt], PRODUCER_REGS=PRODUCER_REGS[fmt], RIGHT_REGS=RIGHT_REGS,
+        BN=BN, STAGES=STAGES, RB=RB[fmt], AHEAD=AHEAD[fmt], PRODUCER_REGS=PRODUCER_REGS[fmt], RIGHT_REGS=RIGHT_REGS,
         num_warps=4, maxnreg=MAX_REGS,
     )
 

@@ -249,10 +249,12 @@ def _sparse_mla_kernel(
 
 @triton.jit(do_not_specialize=["T", "H", "n_split", "has_sink"])
 def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, NSP: tl.constexpr, DC: tl.constexpr):
-    """Merge the ``n_split`` partials ``(o_r, L_r)`` of one (token, head) and its sink:
-    ``L = log2(sum_r 2^L_r + 2^sink)``, ``out = sum_r 2^(L_r - L) o_r``. All partials are
-    loaded at once (``NSP >= n_split``), so the merge pays one memory latency, not n_split."""
-    i_th = tl.program_id(0)
+    """Merge the ``n_split`` partials ``(o_r, L_r)`` of one (token, head) and its sink, over
+    output columns ``[DC * program_id(1), + DC)``: ``L = log2(sum_r 2^L_r + 2^sink)``,
+    ``out = sum_r 2^(L_r - L) o_r``. All partials are loaded at once (``NSP >= n_split``), so
+    a program pays one memory latency, not n_split; column slices spread a small T's merge
+    over the GPU (T = 1, H = 128 on the H200: 6.1 us as one program per head)."""
+    i_th, i_c = tl.program_id(0), tl.program_id(1)
     i_t, i_h = i_th // H, i_th % H
     o_s = tl.arange(0, NSP)
     m_s = o_s < n_split
@@ -265,12 +267,12 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, N
     b_w = tl.math.exp2(b_lse - b_max)
     b_den = tl.sum(b_w + tl.math.exp2(b_sink - b_max), 0)
     b_w = tl.where(b_den > 0, b_w / b_den, 0.0)
-    for i_c in tl.static_range(512 // DC):
-        o_d = i_c * DC + tl.arange(0, DC)
-        # [NSP, DC]
-        b_o = tl.load(part_o + o_row[:, None] * 512 + o_d[None, :], mask=m_s[:, None], other=0.0)
-        tl.store(out + i_th * 512 + o_d, tl.sum(b_w[:, None] * b_o, 0).to(tl.bfloat16))
-    tl.store(lse + i_th, b_max + tl.log2(b_den))
+    o_d = i_c * DC + tl.arange(0, DC)
+    # [NSP, DC]
+    b_o = tl.load(part_o + o_row[:, None] * 512 + o_d[None, :], mask=m_s[:, None], other=0.0)
+    tl.store(out + i_th * 512 + o_d, tl.sum(b_w[:, None] * b_o, 0).to(tl.bfloat16))
+    if i_c == 0:
+        tl.store(lse + i_th, b_max + tl.log2(b_den))
 
 
 class _Scratch:
@@ -430,7 +432,8 @@ def sparse_mla_triton(
     else:  # symbolic (traced, dynamic T): no guard on n_split; an empty grid when it is 1
         nsp = triton.next_power_of_2(triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn))
         combine_rows = T * H * torch.sym_min(n_split - 1, 1)
-    launchable(_combine_kernel, q)[(combine_rows,)](
+    dc = max(16, min(128, 4096 // nsp))  # at most 32 partial values per thread
+    launchable(_combine_kernel, q)[(combine_rows, 512 // dc)](
         part_o, part_lse, sink if sink is not None else no_sink, out, lse,
-        T, H, n_split, int(sink is not None), NSP=nsp, DC=min(512, max(32, 4096 // nsp)), num_warps=4,
+        T, H, n_split, int(sink is not None), NSP=nsp, DC=dc, num_warps=4,
     )
