@@ -199,9 +199,9 @@ def _producer(kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
             async_copy.async_copy_global_to_shared(kbuf.index(st), p_row[:, None] + o_d[None, :], mask=valid[:, None])
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-            fence_async_shared()
+            # `ready` completes when the copies land: no waiting here, so the next tile's
+            # copies go out as soon as it is free (up to two tiles in flight)
+            async_copy.mbarrier_arrive(ready.index(st))
             gl.thread_barrier()
             mbarrier.arrive(ready.index(st), count=1)
     else:
@@ -240,7 +240,7 @@ def _producer(kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg
                 o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
                 async_copy.async_copy_global_to_shared(rope_buf.index(st), p_rope[:, None] + o_c[None, :],
                                                        mask=(o_rope >= 0)[:, None])
-                async_copy.commit_group()
+                async_copy.mbarrier_arrive(ready.index(st))  # `ready` also waits for these
             for c in gl.static_range(CH):
                 # chunk c + AHEAD of this block, or of the next one
                 nxt = _load_chunk(info, (i + (c + AHEAD) // CH) % 2, kv_next if c + AHEAD >= CH else kv,
@@ -248,8 +248,6 @@ def _producer(kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg
                 x, e = ahead[0]
                 tile.slice(c * RB, RB).store(_convert(x, e))
                 ahead = ahead[1:] + (nxt, )
-            if FMT == 2:
-                async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ready.index(st), count=1)
@@ -295,6 +293,7 @@ def _consumer_left(q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, re
     for i in range(n):
         st = i % STAGES
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        fence_async_shared()  # the producer's cp.async writes, seen by wgmma (async proxy)
         tile = kbuf.index(st)
         # over columns 0..255, 256..383, 384..447 and the _tail 448..511
         s = warpgroup_mma(q_smem.slice(0, 256, dim=1), tile.slice(0, 256, dim=1).permute((1, 0)),
