@@ -421,6 +421,9 @@ def _sparse_mla_ws_kernel(
     AHEAD: gl.constexpr, PRODUCER_REGS: gl.constexpr, RIGHT_REGS: gl.constexpr,
 ):
     """Grid ``(T * ceil(H / 64), n_split)``; arguments as ``triton._sparse_mla_kernel``'s."""
+    # let the LSE merge (a programmatic dependent launch) start now: it waits for this grid
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
     qk_scale = qk_scale.to(gl.float32)
     kv_scale = kv_scale.to(gl.float32)
     i_p, i_s = gl.program_id(0), gl.program_id(1)

@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from compile_ops._launch import launchable
@@ -248,14 +249,18 @@ def _sparse_mla_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "H", "n_split", "has_sink"])
-def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, NSP: tl.constexpr, DC: tl.constexpr):
+def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, NSP: tl.constexpr, DC: tl.constexpr,
+                    PDL: tl.constexpr):
     """Merge the ``n_split`` partials ``(o_r, L_r)`` of one (token, head) and its sink, over
     output columns ``[DC * program_id(1), + DC)``: ``L = log2(sum_r 2^L_r + 2^sink)``,
     ``out = sum_r 2^(L_r - L) o_r``. All partials are loaded at once (``NSP >= n_split``), so
     a program pays one memory latency, not n_split. A row's columns take one program while
     ``NSP * 512`` values fit in its registers, else several (H200, measured alone: one pass
     over 512 columns beats a loop over column chunks, 1.9 vs 2.9 us at T = 1, H = 64, and
-    beats slicing the columns over more programs whenever T * H is large)."""
+    beats slicing the columns over more programs whenever T * H is large). ``PDL``: launched
+    as a programmatic dependent of the Gluon kernel, it waits here for that kernel's partials."""
+    if PDL:
+        gdc_wait()
     i_th, i_c = tl.program_id(0), tl.program_id(1)
     i_t, i_h = i_th // H, i_th % H
     o_s = tl.arange(0, NSP)
@@ -435,7 +440,10 @@ def sparse_mla_triton(
         nsp = triton.next_power_of_2(triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn))
         combine_rows = T * H * torch.sym_min(n_split - 1, 1)
     dc = max(16, min(512, 8192 // nsp))  # at most 64 partial values per thread, short of huge K
+    # after the Gluon kernel (eager, sm_90) the merge launches while that kernel still runs
+    # (it triggers its dependents at its start) and waits on the device, not on a launch
+    pdl = dict(launch_pdl=True) if cfg.gluon else {}
     launchable(_combine_kernel, q)[(combine_rows, 512 // dc)](
         part_o, part_lse, sink if sink is not None else no_sink, out, lse,
-        T, H, n_split, int(sink is not None), NSP=nsp, DC=dc, num_warps=4,
+        T, H, n_split, int(sink is not None), NSP=nsp, DC=dc, PDL=cfg.gluon, num_warps=4, **pdl,
     )
