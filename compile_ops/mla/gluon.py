@@ -8,13 +8,14 @@ blocks (SWA blocks first), and runs three warpgroups:
 
 * a **producer** warpgroup (4 warps, 112-128 registers) fills a ring of two bf16 key tiles
   in shared memory: ``bf16`` rows with ``cp.async`` straight into the MMA layout; the fp8
-  formats as raw 16-byte words in registers, loaded five or six 8-row chunks ahead of their
+  formats as raw 16-byte words in registers, loaded 32 to 48 rows ahead of their
   dequantization (across block boundaries and while it waits for a free tile), then
   ``cvt.rn.f16x2.e4m3x2`` times the UE8M0 scale (exact in bf16) and stored as bf16;
   ``fp8_ds_mla``'s bf16 RoPE columns go by ``cp.async`` into a tile of their own. Every
   block's slots are loaded one block ahead and its row addresses kept in shared memory, so
   no load waits for another load. It writes each row's score bias (0, or ``-inf`` for a
-  hole) next to the tile and signals ``ready``;
+  hole) next to the tile and signals ``ready``, whose phase also waits for its ``cp.async``
+  copies to land (the producer itself never waits for them);
 * consumer **warpgroup 0** (the default partition) computes the whole ``S = Q K^T`` of a block
   (``wgmma`` m64n64, reading Q once), the online softmax, and ``O[:, :256] += P K[:, :256]``
   with ``P`` from registers; it hands ``P`` and the rescale factor to
@@ -25,8 +26,10 @@ blocks (SWA blocks first), and runs three warpgroups:
 So the gather and dequantization of block ``i + 1`` run on the producer's warps while the
 tensor cores work on block ``i`` (FlashMLA's SM90 sparse decoding splits its warps the same
 way; Triton's Gluon tutorials show the ``warp_specialize`` / ``mbarrier`` idiom). Shared
-memory holds Q (64 KB), the two tiles (128 KB) and P (8 KB): a third tile does not fit, which
-bounds the ``bf16`` gather to one 64 KB block in flight per SM. Measured on the H200 in
+memory holds Q (64 KB), the two tiles (128 KB), P (8 KB) and for ``fp8_ds_mla`` two 8 KB RoPE
+tiles: a third key tile does not fit, which bounds the ``bf16`` gather to at most two 64 KB blocks in
+flight per SM. After a split-K launch the LSE merge starts as a programmatic dependent
+launch that waits on the device for this kernel. Measured on the H200 in
 ``docs/performance-sparse-mla.md``; the design log is ``docs/notes-sparse-mla.md``.
 """
 
@@ -44,13 +47,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same split-K)
 STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB (+ 2 x 8 KB RoPE) + P (8 KB) fill the 227 KB
-# fp8 chunks whose raw words are in flight in the producer's registers, and its registers per
-# thread, per FMT (H200, T = 512: bf16 88 -> 112 registers, no spills: 161 -> 147 us;
-# fp8_ds_mla 3 -> 6 chunks ahead: 188 -> 178 us; fp8_dsv41 3 -> 5: 194 -> 169 us)
-RB = {0: 0, 1: 32, 2: 16, 3: 32}  # rows per dequantization chunk
-PRODUCER_REGS = {0: 112, 1: 120, 2: 128, 3: 128}
+# per FMT: rows per fp8 dequantization chunk, chunks whose raw words are in flight in the
+# producer's registers, and its registers per thread. Fewer, larger chunks mean fewer of the
+# barriers Triton puts between two stores into one tile; the rest of 168 x 12 warps goes to
+# the consumers, and warpgroup 0 spills below ~192. Tuned on the H200 at T = 512 (us, H = 64):
+# bf16 88 -> 112 registers (no spills) 161 -> 147; fp8_ds_mla 8 x 3 -> 16 x 3 rows 188 -> 169;
+# fp8_dsv41 8 x 3 -> 32 x 1 rows 194 -> 157; fp8 8 x 3 -> 32 x 1 rows 161 -> 144.
+RB = {0: 0, 1: 32, 2: 16, 3: 32}
 AHEAD = {0: 0, 1: 1, 2: 3, 3: 1}
-RIGHT_REGS = 176  # warpgroup 1: 128 accumulator registers; fewer serializes its wgmma
+PRODUCER_REGS = {0: 112, 1: 120, 2: 128, 3: 128}
+RIGHT_REGS = 176  # warpgroup 1: 128 accumulator registers; 152 serializes its wgmma
 MAX_REGS = 168
 
 
