@@ -123,7 +123,7 @@ def _load_chunk(info, b, kv, r0, live, o_g, o_w, FMT: gl.constexpr, RB: gl.const
     when invalid), as ``[RB, 32, 4]`` int32 words (the 512 e4m3 columns in groups of 16,
     kept packed: 4 registers per 16 bytes in flight) and each group's scale byte. Nothing is
     read for invalid rows or when not ``live``; fp8_ds_mla's groups 28..31 (its bf16 RoPE
-    values) come back as zeros."""
+    values, which go to their own tile) come back as zeros."""
     L_R: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
     o_row = info[0].index(b).slice(r0, RB).load(L_R)
     m_q = ((o_row >= 0) & live)[:, None, None] & (o_g < (28 if FMT == 2 else 32))
