@@ -225,6 +225,23 @@ def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("kv_format", FORMATS)
+def test_gpu_full_segments(kv_format, backend):
+    """Tokens with a full window and a full top-k (the steady decode state, whose first blocks
+    the Gluon producer loads before the lengths arrive) next to tokens without, whose guess
+    must be thrown away; default, one and five splits."""
+    needs(backend)
+    args = list(make_case(kv_format, 6, 64, 128, 512, 64, device="cuda", seed=4, pool_pages=64))
+    args[3].fill_(128)
+    args[6].fill_(512)
+    args[3][1] = 100  # a short window
+    args[6][4] = 0  # no compressed entries
+    for n_split in (None, 1, 5):
+        check(tuple(args), n_split=n_split, config=KERNELS[backend])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("kv_format", FORMATS)
 def test_gpu_graph_capture_new_indices(kv_format, backend):
     """Capture sparse_mla_out once, then replay with new indices and lens copied in."""
     needs(backend)
