@@ -226,9 +226,8 @@ def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_gpu_full_segments(kv_format, backend):
-    """Tokens with a full window and a full top-k (the steady decode state, whose first blocks
-    the Gluon producer loads before the lengths arrive) next to tokens without, whose guess
-    must be thrown away; default, one and five splits."""
+    """Tokens with a full window and a full top-k (the steady decode state) next to tokens
+    with a short window or no compressed entries; default, one and five splits."""
     needs(backend)
     args = list(make_case(kv_format, 6, 64, 128, 512, 64, device="cuda", seed=4, pool_pages=64))
     args[3].fill_(128)

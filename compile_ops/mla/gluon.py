@@ -61,41 +61,13 @@ MAX_REGS = 168
 
 
 @gluon.jit
-def _blocks(i_s, n_swa, n_cmp, n_split, BN: gl.constexpr):
-    """SWA block count and this program's blocks ``[i_b0, i_b1)`` (SWA blocks first)."""
-    nb_swa = gl.cdiv(n_swa, BN)
-    nb = nb_swa + gl.cdiv(n_cmp, BN)
-    return nb_swa, i_s * nb // n_split, (i_s + 1) * nb // n_split
-
-
-@gluon.jit
 def _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN: gl.constexpr):
-    """The segment lengths of token ``i_t`` and :func:`_blocks`."""
+    """This program's blocks ``[i_b0, i_b1)`` (SWA blocks first) and the segment lengths."""
     n_swa = gl.minimum(gl.maximum(gl.load(swa_len + i_t), 0), W)
     n_cmp = gl.minimum(gl.maximum(gl.load(cmp_len + i_t), 0), K)
-    nb_swa, i_b0, i_b1 = _blocks(i_s, n_swa, n_cmp, n_split, BN)
-    return n_swa, n_cmp, nb_swa, i_b0, i_b1
-
-
-@gluon.jit
-def _span_and_first_slots(o_r, i_t, i_s, span_args, seg, FIRST: gl.constexpr, BN: gl.constexpr):
-    """:func:`_span`, and the :func:`_slots` of this program's first ``FIRST`` blocks. These
-    are loaded as if both segments were full (every decode step once a request has ``W``
-    window tokens and ``K`` compressed entries) while the lengths load, and again only if
-    they are not: a program's first gather waits for one memory latency less."""
-    swa_len, cmp_len, W, K, n_split = span_args
-    f_nb_swa, f_b0, f_b1 = _blocks(i_s, W, K, n_split, BN)
-    guess = ()
-    for j in gl.static_range(FIRST):
-        guess = guess + (_slots(f_b0 + j, o_r, j < f_b1 - f_b0, i_t, W, K, f_nb_swa, seg, BN), )
-    n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
-    if (n_swa == W) & (n_cmp == K):
-        first = guess
-    else:
-        first = ()
-        for j in gl.static_range(FIRST):
-            first = first + (_slots(i_b0 + j, o_r, j < i_b1 - i_b0, i_t, n_swa, n_cmp, nb_swa, seg, BN), )
-    return n_swa, n_cmp, nb_swa, i_b0, i_b1, first
+    nb_swa = gl.cdiv(n_swa, BN)
+    nb = nb_swa + gl.cdiv(n_cmp, BN)
+    return n_swa, n_cmp, nb_swa, i_s * nb // n_split, (i_s + 1) * nb // n_split
 
 
 @gluon.jit
@@ -213,16 +185,17 @@ def _write_info(info, b, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.c
 def _producer(kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg,
               FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
               BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr, AHEAD: gl.constexpr):
+    swa_len, cmp_len, W, K, n_split = span_args
+    n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
+    n = i_b1 - i_b0
+    slot_args = (i_t, n_swa, n_cmp, nb_swa, seg)
     # every block's slots are loaded one block ahead: no load waits on another load
     if FMT == 0:
         # bf16: 16-byte cp.async per thread straight into the MMA layout, 4 rows at a time
         LC: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         o_r = gl.arange(0, BN, gl.SliceLayout(1, LC))
         o_d = gl.arange(0, 512, gl.SliceLayout(0, LC))
-        n_swa, n_cmp, nb_swa, i_b0, i_b1, first = _span_and_first_slots(o_r, i_t, i_s, span_args, seg, 1, BN)
-        n = i_b1 - i_b0
-        slot_args = (i_t, n_swa, n_cmp, nb_swa, seg)
-        slot_next = first[0]
+        slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
         for i in range(n):
             st = i % STAGES
             slot = slot_next
@@ -249,11 +222,8 @@ def _producer(kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg
         o_b = gl.arange(0, BN, LB)
         o_g = gl.arange(0, 32, gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
         o_w = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-        n_swa, n_cmp, nb_swa, i_b0, i_b1, first = _span_and_first_slots(o_b, i_t, i_s, span_args, seg, 2, BN)
-        n = i_b1 - i_b0
-        slot_args = (i_t, n_swa, n_cmp, nb_swa, seg)
-        _write_info(info, 0, first[0], i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-        slot_next = first[1]
+        _write_info(info, 0, _slots(i_b0, o_b, n > 0, *slot_args, BN), i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+        slot_next = _slots(i_b0 + 1, o_b, n > 1, *slot_args, BN)
         gl.thread_barrier()
         kv = _cache(i_b0, nb_swa, seg)
         ahead = ()
