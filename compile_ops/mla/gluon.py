@@ -45,6 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from compile_ops.mla.triton import GLUON, UNSPECIALIZED, sparse_mla_triton
+
 BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same split-K)
 STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB (+ 2 x 8 KB RoPE) + P (8 KB) fill the 227 KB
 # per FMT: rows per fp8 dequantization chunk, chunks whose raw words are in flight in the
@@ -410,12 +412,7 @@ def _epilogue(acc, m_i, l_i, c0, WRITE_LSE: gl.constexpr, i_t, i_hb, i_s, epilog
             gl.store(part_lse + o_row, lse_p, mask=m_h)
 
 
-@gluon.jit(
-    do_not_specialize=[
-        "T", "H", "W", "K", "n_split", "has_sink", "s_swa_t", "s_cmp_t",
-        "swa_page", "swa_slots", "cmp_page", "cmp_slots",
-    ]
-)
+@gluon.jit(do_not_specialize=UNSPECIALIZED)
 def _sparse_mla_ws_kernel(
     q, out, lse, part_o, part_lse, sink,
     swa_kv, swa_idx, swa_len, cmp_kv, cmp_idx, cmp_len,
@@ -497,6 +494,4 @@ def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift:
 def sparse_mla_gluon(*args) -> None:
     """The ``"gluon"`` backend of ``dsv41::sparse_mla``: :func:`sparse_mla_triton`'s host side
     (validation, split-K choice, static scratch, LSE merge kernel) around this kernel."""
-    from compile_ops.mla.triton import GLUON, sparse_mla_triton
-
     sparse_mla_triton(*args, config=GLUON)

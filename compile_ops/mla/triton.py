@@ -57,6 +57,12 @@ LOG2E = 1.0 / math.log(2.0)
 # the operands to fp32 there, and only there. Decided once, at import, like Triton itself.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# sizes, strides and counts that change from call to call: specializing on them (== 1,
+# divisible by 16) would recompile the attention kernels (this one and the Gluon one)
+UNSPECIALIZED = [
+    "T", "H", "W", "K", "n_split", "has_sink", "s_swa_t", "s_cmp_t",
+    "swa_page", "swa_slots", "cmp_page", "cmp_slots",
+]
 BH = 64  # heads per program: the M of both products (wgmma needs 64 rows per warpgroup)
 
 
@@ -129,12 +135,7 @@ def _load_kv(p_row, p_scale, m_row, col0,
     return b_k
 
 
-@triton.jit(
-    do_not_specialize=[
-        "T", "H", "W", "K", "n_split", "has_sink", "s_swa_t", "s_cmp_t",
-        "swa_page", "swa_slots", "cmp_page", "cmp_slots",
-    ]
-)
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _sparse_mla_kernel(
     q, out, lse, part_o, part_lse, sink,
     swa_kv, swa_idx, swa_len, cmp_kv, cmp_idx, cmp_len,
