@@ -55,8 +55,6 @@ STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB (+ 2 x 8 KB RoPE) + P (
 # the consumers, and warpgroup 0 spills below ~192. Tuned on the H200 at T = 512 (us, H = 64):
 # bf16 88 -> 112 registers (no spills) 161 -> 147; fp8_ds_mla 8 x 3 -> 16 x 3 rows 188 -> 169;
 # fp8_dsv41 8 x 3 -> 32 x 1 rows 194 -> 157; fp8 8 x 3 -> 32 x 1 rows 161 -> 144.
-RB = {0: 0, 1: 32, 2: 16, 3: 32}
-AHEAD = {0: 0, 1: 1, 2: 3, 3: 1}
 PRODUCER_REGS = {0: 112, 1: 120, 2: 128, 3: 128}
 RIGHT_REGS = 176  # warpgroup 1: 128 accumulator registers; 152 serializes its wgmma
 MAX_REGS = 168
@@ -119,32 +117,10 @@ def _row_offsets(slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr
 
 
 @gluon.jit
-def _load_chunk(info, b, kv, r0, live, o_g, o_w, FMT: gl.constexpr, RB: gl.constexpr, L3: gl.constexpr):
-    """Raw bytes of rows ``[r0, r0 + RB)`` of the block of cache ``kv`` whose row offsets
-    ``info`` holds in buffer ``b`` (two ``[2, BN]`` int64: data and scale byte offsets, ``-1``
-    when invalid), as ``[RB, 32, 4]`` int32 words (the 512 e4m3 columns in groups of 16,
-    kept packed: 4 registers per 16 bytes in flight) and each group's scale byte. Nothing is
-    read for invalid rows or when not ``live``; fp8_ds_mla's groups 28..31 (its bf16 RoPE
-    values, which go to their own tile) come back as zeros."""
-    L_R: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
-    o_row = info[0].index(b).slice(r0, RB).load(L_R)
-    m_q = ((o_row >= 0) & live)[:, None, None] & (o_g < (28 if FMT == 2 else 32))
-    # rows are 16-byte aligned (else the tl kernel runs): saying so gives 16-byte loads
-    p_word = (kv + gl.multiple_of(o_row, 16)).to(gl.pointer_type(gl.int32))[:, None, None] + o_g * 4 + o_w
-    x = gl.load(p_word, mask=m_q, other=0)
-    if FMT == 1:  # one scale for the whole cache, applied to the scores and the output
-        e = gl.full([RB, 32, 1], 127, gl.uint8, L3)
-    else:
-        BLK: gl.constexpr = 4 if FMT == 2 else 2  # groups of 16 per scale byte
-        p_scale = kv + info[1].index(b).slice(r0, RB).load(L_R)
-        e = gl.load(p_scale[:, None, None] + o_g // BLK, mask=m_q, other=127)
-    return x, e
-
-
-@gluon.jit
 def _convert(x, e):
-    """:func:`_load_chunk`'s words -> ``[RB, 512]`` bf16 keys: each word's four e4m3 bytes
-    times ``2^(e - 127)`` (exact in bf16; ``cvt.rn.f16x2.e4m3x2`` then fp32)."""
+    """int32 words ``x`` (four e4m3 bytes each, along the last axis) and their UE8M0 scale
+    bytes ``e`` (broadcast over the last axis) -> ``[rows, 4 * words]`` bf16: each byte times
+    ``2^(e - 127)`` (exact in bf16; ``cvt.rn.f16x2.e4m3x2`` then fp32)."""
     scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
     k0, k1, k2, k3 = gl.inline_asm_elementwise(
         """{
@@ -172,21 +148,32 @@ def _convert(x, e):
         "=h,=h,=h,=h,r,f", [x, scale], (gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
     # byte b of word w is column 4 w + b
     k = gl.join(gl.join(k0, k2), gl.join(k1, k3))
-    return gl.reshape(k, [x.shape[0], 512])
+    return gl.reshape(k, [x.shape[0], x.numel // x.shape[0] * 4])
 
 
 @gluon.jit
-def _write_info(info, b, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr):
-    """Block ``i_b``'s row offsets into buffer ``b`` of ``info`` (see :func:`_load_chunk`)."""
-    _, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-    info[0].index(b).store(gl.where(valid, o_row, -1))
-    info[1].index(b).store(o_scale)
+def _dequantize(tile, scales, FMT: gl.constexpr, BN: gl.constexpr):
+    """In place: the e4m3 bytes of column block ``j`` (64 columns of every row, 4 KB at
+    ``raw[8 + j]``, the tile's upper half) -> bf16 columns ``64 j .. 64 j + 63`` of ``tile``,
+    times their UE8M0 scale bytes (``scales[row, NS j ..]``; ``fp8`` has none). ``tile``'s
+    bf16 column block ``j`` covers ``raw[2 j]`` and ``raw[2 j + 1]``, whose bytes (column
+    blocks ``2 j - 8`` and ``2 j - 7``) are already converted."""
+    NS: gl.constexpr = 2 if FMT == 3 else 1  # scale bytes per 64 columns
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, NS, 4 // NS], [4, 1, 1], [2, 1, 0])
+    raw = tile._reinterpret(gl.int32, [16, BN, NS, 16 // NS], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    for j in gl.static_range(7 if FMT == 2 else 8):
+        x = raw.index(8 + j).load(LW)
+        if FMT == 1:  # one scale for the whole cache, applied to the scores and the output
+            e = gl.full([BN, NS, 1], 127, gl.uint8, LW)
+        else:
+            e = scales.slice(NS * j, NS, dim=1).load(gl.SliceLayout(2, LW)).expand_dims(2)
+        tile.slice(64 * j, 64, dim=1).store(_convert(x, e))
 
 
 @gluon.jit
-def _producer(kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg,
+def _producer(kbuf, rope_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
               FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-              BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr, AHEAD: gl.constexpr):
+              BN: gl.constexpr, STAGES: gl.constexpr):
     swa_len, cmp_len, W, K, n_split = span_args
     n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
@@ -213,49 +200,48 @@ def _producer(kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg
             gl.thread_barrier()
             mbarrier.arrive(ready.index(st), count=1)
     else:
-        # raw words through registers in chunks of RB rows, loaded AHEAD chunks ahead of the
-        # dequantization, across block boundaries and while waiting for a free tile; the
-        # row addresses of the current and the next block sit in `info` (two buffers)
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [4, 1, 1], [2, 1, 0])
-        LB: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        CH: gl.constexpr = BN // RB
-        gl.static_assert(CH >= AHEAD)
-        o_b = gl.arange(0, BN, LB)
-        o_g = gl.arange(0, 32, gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
-        o_w = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-        _write_info(info, 0, _slots(i_b0, o_b, n > 0, *slot_args, BN), i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-        slot_next = _slots(i_b0 + 1, o_b, n > 1, *slot_args, BN)
-        gl.thread_barrier()
-        kv = _cache(i_b0, nb_swa, seg)
-        ahead = ()
-        for c in gl.static_range(AHEAD):
-            ahead = ahead + (_load_chunk(info, 0, kv, c * RB, n > 0, o_g, o_w, FMT, RB, L3), )
+        # fp8: a block's raw rows go by cp.async into the free tile's upper half (as 4 KB
+        # column blocks: ``raw[stage, 8 + j, row, word]``; fp8_ds_mla's bf16 RoPE columns to
+        # their own tile, the scale bytes to ``scale_buf``), then are dequantized in place
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, 4, 1], [2, 1, 0])
+        L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        o_r = gl.arange(0, BN, L_ROW)
+        o_j = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+        o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+        scales = scale_buf._reinterpret(gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
         for i in range(n):
             st = i % STAGES
-            _write_info(info, (i + 1) % 2, slot_next, i_b0 + i + 1, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-            slot_next = _slots(i_b0 + i + 2, o_b, i + 2 < n, *slot_args, BN)
-            gl.thread_barrier()
-            valid = info[0].index(i % 2).load(LB) >= 0
-            kv = _cache(i_b0 + i, nb_swa, seg)
-            kv_next = _cache(i_b0 + i + 1, nb_swa, seg)
+            slot = slot_next
+            slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
+            kv, o_row, o_scale, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+            # rows are 16-byte aligned (else the tl kernel runs): saying so gives 16-byte copies
+            p_row = kv + gl.multiple_of(o_row, 16)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
-            tile = kbuf.index(st)
-            if FMT == 2:  # the bf16 RoPE columns go by cp.async to their own tile, meanwhile
-                o_rope = info[0].index(i % 2).load(gl.SliceLayout(1, LR))
-                p_rope = (kv + gl.multiple_of(o_rope, 16) + 448).to(gl.pointer_type(gl.bfloat16))
+            raw = kbuf.index(st)._reinterpret(gl.int32, [16, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+            async_copy.async_copy_global_to_shared(
+                raw.slice(8, 8), p_row.to(gl.pointer_type(gl.int32))[None, :, None] + o_j * 16 + o_w,
+                mask=valid[None, :, None] & (o_j < (7 if FMT == 2 else 8)))
+            if FMT == 2:
+                p_rope = gl.convert_layout(p_row + 448, gl.SliceLayout(1, LR)).to(gl.pointer_type(gl.bfloat16))
                 o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
-                async_copy.async_copy_global_to_shared(rope_buf.index(st), p_rope[:, None] + o_c[None, :],
-                                                       mask=(o_rope >= 0)[:, None])
-                async_copy.mbarrier_arrive(ready.index(st))  # `ready` also waits for these
-            for c in gl.static_range(CH):
-                # chunk c + AHEAD of this block, or of the next one
-                nxt = _load_chunk(info, (i + (c + AHEAD) // CH) % 2, kv_next if c + AHEAD >= CH else kv,
-                                  ((c + AHEAD) % CH) * RB, i + (c + AHEAD) // CH < n, o_g, o_w, FMT, RB, L3)
-                x, e = ahead[0]
-                tile.slice(c * RB, RB).store(_convert(x, e))
-                ahead = ahead[1:] + (nxt, )
+                async_copy.async_copy_global_to_shared(
+                    rope_buf.index(st), p_rope[:, None] + o_c[None, :],
+                    mask=gl.convert_layout(valid, gl.SliceLayout(1, LR))[:, None])
+            if FMT != 1:
+                SW: gl.constexpr = SCALE // 4
+                LS: gl.constexpr = gl.BlockedLayout([1, SW], [32, 1], [4, 1], [1, 0])
+                p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, SCALE), gl.SliceLayout(1, LS))
+                o_s = gl.arange(0, SW, gl.SliceLayout(0, LS))
+                async_copy.async_copy_global_to_shared(
+                    scale_buf.index(st).slice(0, SW, dim=1), p_scale.to(gl.pointer_type(gl.int32))[:, None] + o_s[None, :],
+                    mask=gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None])
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            gl.thread_barrier()
+            _dequantize(kbuf.index(st), scales.index(st), FMT, BN)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ready.index(st), count=1)
@@ -420,8 +406,7 @@ def _sparse_mla_ws_kernel(
     s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
     FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-    BN: gl.constexpr, STAGES: gl.constexpr, RB: gl.constexpr,
-    AHEAD: gl.constexpr, PRODUCER_REGS: gl.constexpr, RIGHT_REGS: gl.constexpr,
+    BN: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, RIGHT_REGS: gl.constexpr,
 ):
     """Grid ``(T * ceil(H / 64), n_split)``; arguments as ``triton._sparse_mla_kernel``'s."""
     # let the LSE merge (a programmatic dependent launch) start now: it waits for this grid
@@ -448,7 +433,10 @@ def _sparse_mla_ws_kernel(
     alpha_smem = gl.allocate_shared_memory(gl.float32, [64], b_layout)
     ml_smem = gl.allocate_shared_memory(gl.float32, [2, 64], b_layout)
     bias = gl.allocate_shared_memory(gl.float32, [STAGES, BN], b_layout)
-    info = (gl.allocate_shared_memory(gl.int64, [2, BN], b_layout), gl.allocate_shared_memory(gl.int64, [2, BN], b_layout))
+    if FMT == 1:
+        scale_buf = kbuf
+    else:  # each row's UE8M0 scale bytes (8 or 16), filled by cp.async
+        scale_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -474,8 +462,8 @@ def _sparse_mla_ws_kernel(
                           p_free, fin, q_ptrs, i_t, i_s, span_args, qk_scale, FMT, BN, STAGES)),
         (_consumer_right, (kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
                            i_t, i_hb, i_s, span_args, epilogue_args, FMT, BN, STAGES)),
-        (_producer, (kbuf, rope_buf, bias, info, ready, empty, i_t, i_s, span_args, seg,
-                     FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES, RB, AHEAD)),
+        (_producer, (kbuf, rope_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
+                     FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES)),
     ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
     _epilogue(acc, m_i, l_i, 0, True, i_t, i_hb, i_s, epilogue_args)
 
@@ -486,7 +474,7 @@ def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift:
     _sparse_mla_ws_kernel[grid](
         *launch_args,
         FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
-        BN=BN, STAGES=STAGES, RB=RB[fmt], AHEAD=AHEAD[fmt], PRODUCER_REGS=PRODUCER_REGS[fmt], RIGHT_REGS=RIGHT_REGS,
+        BN=BN, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS[fmt], RIGHT_REGS=RIGHT_REGS,
         num_warps=4, maxnreg=MAX_REGS,
     )
 
