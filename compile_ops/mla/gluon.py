@@ -7,15 +7,14 @@ the schedule on the SM differs. One program owns one token, 64 heads and a range
 blocks (SWA blocks first), and runs three warpgroups:
 
 * a **producer** warpgroup (4 warps, 112-128 registers) fills a ring of two bf16 key tiles
-  in shared memory: ``bf16`` rows with ``cp.async`` straight into the MMA layout; the fp8
-  formats as raw 16-byte words in registers, loaded 32 to 48 rows ahead of their
-  dequantization (across block boundaries and while it waits for a free tile), then
-  ``cvt.rn.f16x2.e4m3x2`` times the UE8M0 scale (exact in bf16) and stored as bf16;
-  ``fp8_ds_mla``'s bf16 RoPE columns go by ``cp.async`` into a tile of their own. Every
-  block's slots are loaded one block ahead and its row addresses kept in shared memory, so
-  no load waits for another load. It writes each row's score bias (0, or ``-inf`` for a
-  hole) next to the tile and signals ``ready``, whose phase also waits for its ``cp.async``
-  copies to land (the producer itself never waits for them);
+  in shared memory. ``bf16`` rows go by ``cp.async`` straight into the MMA layout and
+  ``ready``'s phase waits for them (the producer never does), so two blocks can be in
+  flight. The fp8 formats' raw rows go by ``cp.async`` into the free tile's upper half
+  (with ``fp8_ds_mla``'s bf16 RoPE columns into a tile of their own and the scale bytes
+  into a small buffer); once they land, the producer dequantizes them in place, 64
+  columns at a time (``cvt.rn.f16x2.e4m3x2`` times the UE8M0 scale, exact in bf16), and
+  signals ``ready``. Every block's slots are loaded one block ahead, so no load waits for
+  another load; each row's score bias (0, or ``-inf`` for a hole) goes next to the tile;
 * consumer **warpgroup 0** (the default partition) computes the whole ``S = Q K^T`` of a block
   (``wgmma`` m64n64, reading Q once), the online softmax, and ``O[:, :256] += P K[:, :256]``
   with ``P`` from registers; it hands ``P`` and the rescale factor to
@@ -49,12 +48,8 @@ from compile_ops.mla.triton import GLUON, UNSPECIALIZED, sparse_mla_triton
 
 BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same split-K)
 STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB (+ 2 x 8 KB RoPE) + P (8 KB) fill the 227 KB
-# per FMT: rows per fp8 dequantization chunk, chunks whose raw words are in flight in the
-# producer's registers, and its registers per thread. Fewer, larger chunks mean fewer of the
-# barriers Triton puts between two stores into one tile; the rest of 168 x 12 warps goes to
-# the consumers, and warpgroup 0 spills below ~192. Tuned on the H200 at T = 512 (us, H = 64):
-# bf16 88 -> 112 registers (no spills) 161 -> 147; fp8_ds_mla 8 x 3 -> 16 x 3 rows 188 -> 169;
-# fp8_dsv41 8 x 3 -> 32 x 1 rows 194 -> 157; fp8 8 x 3 -> 32 x 1 rows 161 -> 144.
+# the producer's registers per thread, per FMT (no spills; the rest of 168 x 12 warps goes
+# to the consumers, and warpgroup 0 spills below ~192)
 PRODUCER_REGS = {0: 112, 1: 120, 2: 128, 3: 128}
 RIGHT_REGS = 176  # warpgroup 1: 128 accumulator registers; 152 serializes its wgmma
 MAX_REGS = 168
