@@ -3,9 +3,8 @@
 Same contract, arguments, split-K scheme and host side as the ``tl`` kernel in
 :mod:`compile_ops.mla.triton` (which stays the interpreter twin, the kernel Inductor can
 inline, and the fallback off sm_90 or for caches whose rows are not 16-byte aligned); only
-the schedule on the SM differs. The kernel is persistent: one program per SM takes the work
-items (one token, 64 heads and a range of 64-row blocks, SWA blocks first) in turn, its tile
-ring and barrier phases running on from one item to the next, and runs three warpgroups:
+the schedule on the SM differs. One program owns one token, 64 heads and a range of 64-row
+blocks (SWA blocks first), and runs three warpgroups:
 
 * a **producer** warpgroup (4 warps, 112-128 registers) fills a ring of two bf16 key tiles
   in shared memory. ``bf16`` rows go by ``cp.async`` straight into the MMA layout and
@@ -35,7 +34,6 @@ launch that waits on the device for this kernel. Measured on the H200 in
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -84,15 +82,6 @@ def _slots(i_b, o_r, live, i_t, n_swa, n_cmp, nb_swa, seg, BN: gl.constexpr):
     n_slots = gl.where(is_swa, swa_slots, cmp_slots)
     slot = gl.load(p_idx + o_n * s_n, mask=(o_n < n_len) & live, other=-1)
     return gl.where((slot >= 0) & (slot < n_slots), slot, -1)
-
-
-@gluon.jit
-def _item(item, T, H, n_split):
-    """Work item ``item`` (of ``T * ceil(H / 64) * n_split``: splits outermost, head blocks
-    innermost) -> (token, head block, split)."""
-    n_hb = gl.cdiv(H, 64)
-    i_p = item % (T * n_hb)
-    return i_p // n_hb, i_p % n_hb, item // (T * n_hb)
 
 
 @gluon.jit
@@ -177,26 +166,13 @@ def _dequantize(tile, scales, FMT: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _producer(kbuf, rope_buf, scale_buf, bias, ready, empty, items, span_args, seg,
+def _producer(kbuf, rope_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
               FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
               BN: gl.constexpr, STAGES: gl.constexpr):
     swa_len, cmp_len, W, K, n_split = span_args
-    first, n_items, step, T, H = items
-    g = 0  # blocks of earlier items: the tile ring runs on across items
-    for item in range(first, n_items, step):
-        i_t, _, i_s = _item(item, T, H, n_split)
-        n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
-        _produce_item(kbuf, rope_buf, scale_buf, bias, ready, empty, g, i_b1 - i_b0, i_b0,
-                      (i_t, n_swa, n_cmp, nb_swa, seg), FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES)
-        g += i_b1 - i_b0
-
-
-@gluon.jit
-def _produce_item(kbuf, rope_buf, scale_buf, bias, ready, empty, g, n, i_b0, slot_args,
-                  FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-                  BN: gl.constexpr, STAGES: gl.constexpr):
-    """Blocks ``i_b0 .. i_b0 + n`` of one item into ring positions ``g .. g + n``."""
-    nb_swa, seg = slot_args[3], slot_args[4]
+    n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
+    n = i_b1 - i_b0
+    slot_args = (i_t, n_swa, n_cmp, nb_swa, seg)
     # every block's slots are loaded one block ahead: no load waits on another load
     if FMT == 0:
         # bf16: 16-byte cp.async per thread straight into the MMA layout, 4 rows at a time
@@ -205,12 +181,12 @@ def _produce_item(kbuf, rope_buf, scale_buf, bias, ready, empty, g, n, i_b0, slo
         o_d = gl.arange(0, 512, gl.SliceLayout(0, LC))
         slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
         for i in range(n):
-            st = (g + i) % STAGES
+            st = i % STAGES
             slot = slot_next
             slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
             kv, o_row, _, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
             p_row = kv + o_row
-            mbarrier.wait(empty.index(st), (((g + i) // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
             async_copy.async_copy_global_to_shared(kbuf.index(st), p_row[:, None] + o_d[None, :], mask=valid[:, None])
             # `ready` completes when the copies land: no waiting here, so the next tile's
@@ -231,13 +207,13 @@ def _produce_item(kbuf, rope_buf, scale_buf, bias, ready, empty, g, n, i_b0, slo
         scales = scale_buf._reinterpret(gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
         for i in range(n):
-            st = (g + i) % STAGES
+            st = i % STAGES
             slot = slot_next
             slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
             kv, o_row, o_scale, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
             # rows are 16-byte aligned (else the tl kernel runs): saying so gives 16-byte copies
             p_row = kv + gl.multiple_of(o_row, 16)
-            mbarrier.wait(empty.index(st), (((g + i) // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
             raw = kbuf.index(st)._reinterpret(gl.int32, [16, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
             async_copy.async_copy_global_to_shared(
@@ -281,124 +257,101 @@ def _softmax(s, b, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _consumer_left(q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
-                   ml_free, items, q_args, span_args, epilogue_args, qk_scale, FMT: gl.constexpr, BN: gl.constexpr,
+                   q_ptrs, i_t, i_s, span_args, qk_scale, FMT: gl.constexpr, BN: gl.constexpr,
                    STAGES: gl.constexpr):
-    """Warpgroup 0, per item: loads Q, computes ``S = Q K^T`` for the whole block (``wgmma``
-    m64n64), the softmax, and ``O[:, :256] += P K[:, :256]`` with ``P`` from registers;
-    hands ``P`` and the rescale factor to :func:`_consumer_right` through shared memory, and
-    the final row max and sum after the last block; stores its output half."""
+    """Warpgroup 0: ``S = Q K^T`` for the whole block (``wgmma`` m64n64), the softmax, and
+    ``O[:, :256] += P K[:, :256]`` with ``P`` from registers; hands ``P`` and the rescale
+    factor to :func:`_consumer_right` through shared memory, and the final row max and sum
+    after the last block. Returns its output half, the row max and the row sum."""
     swa_len, cmp_len, W, K, n_split = span_args
-    first, n_items, step, T, H = items
-    q, s_qt, s_qh = q_args
+    _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
+    n = i_b1 - i_b0
+    q_ptr, q_mask = q_ptrs
+    async_copy.async_copy_global_to_shared(q_smem, q_ptr, mask=q_mask)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    o_d = gl.arange(0, 512, gl.SliceLayout(0, LQ))
-    g = 0  # blocks of earlier items: ring position of this item's first block
-    for item in range(first, n_items, step):
-        k = (item - first) // step  # earlier items
-        i_t, i_hb, i_s = _item(item, T, H, n_split)
-        _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
-        n = i_b1 - i_b0
-        o_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, LQ))
-        # the previous item's products have completed: Q's tile is free
-        async_copy.async_copy_global_to_shared(q_smem, q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :],
-                                               mask=(o_h < H)[:, None])
-        async_copy.commit_group()
-        async_copy.wait_group(0)
+    acc = gl.zeros([64, 256], gl.float32, O_L)
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_L))
+    for i in range(n):
+        st = i % STAGES
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        fence_async_shared()  # the producer's cp.async writes, seen by wgmma (async proxy)
+        tile = kbuf.index(st)
+        # over columns 0..255, 256..383, 384..447 and the _tail 448..511
+        s = warpgroup_mma(q_smem.slice(0, 256, dim=1), tile.slice(0, 256, dim=1).permute((1, 0)),
+                          gl.zeros([64, BN], gl.float32, S_L), use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem.slice(256, 128, dim=1), tile.slice(256, 128, dim=1).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma(q_smem.slice(384, 64, dim=1), tile.slice(384, 64, dim=1).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma(q_smem.slice(448, 64, dim=1), _tail(tile, rope_buf, st, FMT).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        p, alpha, m_i, l_i = _softmax(s, bias.index(st).load(gl.SliceLayout(0, S_L)), m_i, l_i, qk_scale)
+        mbarrier.wait(p_free, (i & 1) ^ 1, pred=i > 0)  # the right half has used P of block i - 1
+        p_smem.store(p)
+        alpha_smem.store(alpha)
         fence_async_shared()
         gl.thread_barrier()
-        acc = gl.zeros([64, 256], gl.float32, O_L)
-        m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-        l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_L))
-        # from 0, not range(g, g + n): Triton 3.6 folds a loop-carried bound away
-        for j in range(n):
-            i = g + j  # ring position
-            st = i % STAGES
-            mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-            fence_async_shared()  # the producer's cp.async writes, seen by wgmma (async proxy)
-            tile = kbuf.index(st)
-            # over columns 0..255, 256..383, 384..447 and the _tail 448..511
-            s = warpgroup_mma(q_smem.slice(0, 256, dim=1), tile.slice(0, 256, dim=1).permute((1, 0)),
-                              gl.zeros([64, BN], gl.float32, S_L), use_acc=False, is_async=True)
-            s = warpgroup_mma(q_smem.slice(256, 128, dim=1), tile.slice(256, 128, dim=1).permute((1, 0)), s,
-                              is_async=True)
-            s = warpgroup_mma(q_smem.slice(384, 64, dim=1), tile.slice(384, 64, dim=1).permute((1, 0)), s,
-                              is_async=True)
-            s = warpgroup_mma(q_smem.slice(448, 64, dim=1), _tail(tile, rope_buf, st, FMT).permute((1, 0)), s,
-                              is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            p, alpha, m_i, l_i = _softmax(s, bias.index(st).load(gl.SliceLayout(0, S_L)), m_i, l_i, qk_scale)
-            mbarrier.wait(p_free, (i & 1) ^ 1, pred=i > 0)  # the right half has used P of block i - 1
-            p_smem.store(p)
-            alpha_smem.store(alpha)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p_ready, count=1)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            # the right half's P K runs while this one finishes; the tensor cores stay busy
-            acc = warpgroup_mma(gl.convert_layout(p, P_L), tile.slice(0, 256, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(st), count=1)
-        g += n
-        mbarrier.wait(ml_free, (k & 1) ^ 1, pred=k > 0)  # the right half has read the last item's
-        ml_smem.index(0).store(m_i)
-        ml_smem.index(1).store(l_i)
+        mbarrier.arrive(p_ready, count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        # the right half's P K runs while this one finishes; the tensor cores stay busy
+        acc = warpgroup_mma(gl.convert_layout(p, P_L), tile.slice(0, 256, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
-        mbarrier.arrive(fin, count=1)
-        _epilogue(acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
-                  0, True, i_t, i_hb, i_s, epilogue_args)
+        mbarrier.arrive(empty.index(st), count=1)
+    ml_smem.index(0).store(m_i)
+    ml_smem.index(1).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(fin, count=1)
+    return acc, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
 
 
 @gluon.jit
-def _consumer_right(kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin, ml_free,
-                    items, span_args, epilogue_args, FMT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    """Warpgroup 1, per item: ``O[:, 256:] += P K[:, 256:]`` with :func:`_consumer_left`'s
-    ``P`` and rescale factor, in three accumulators (columns 256..383, 384..447 and the
-    :func:`_tail` 448..511), then stores its output half (:func:`_epilogue`)."""
+def _consumer_right(kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
+                    i_t, i_hb, i_s, span_args, epilogue_args, FMT: gl.constexpr, BN: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """Warpgroup 1: ``O[:, 256:] += P K[:, 256:]`` with :func:`_consumer_left`'s ``P`` and
+    rescale factor, in three accumulators (columns 256..383, 384..447 and the :func:`_tail`
+    448..511), then stores its output half (:func:`_epilogue`)."""
     swa_len, cmp_len, W, K, n_split = span_args
-    first, n_items, step, T, H = items
+    _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
+    n = i_b1 - i_b0
     L128: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
     L64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    g = 0
-    for item in range(first, n_items, step):
-        k = (item - first) // step  # earlier items
-        i_t, i_hb, i_s = _item(item, T, H, n_split)
-        _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
-        n = i_b1 - i_b0
-        acc = gl.zeros([64, 128], gl.float32, L128)
-        acc_b = gl.zeros([64, 64], gl.float32, L64)
-        acc_c = gl.zeros([64, 64], gl.float32, L64)
-        # from 0, not range(g, g + n): Triton 3.6 folds a loop-carried bound away
-        for j in range(n):
-            i = g + j  # ring position
-            st = i % STAGES
-            tile = kbuf.index(st)
-            mbarrier.wait(p_ready, i & 1)
-            acc = acc * alpha_smem.load(gl.SliceLayout(1, L128))[:, None]
-            alpha = alpha_smem.load(gl.SliceLayout(1, L64))[:, None]
-            acc_b = acc_b * alpha
-            acc_c = acc_c * alpha
-            acc = warpgroup_mma(p_smem, tile.slice(256, 128, dim=1), acc, is_async=True)
-            acc_b = warpgroup_mma(p_smem, tile.slice(384, 64, dim=1), acc_b, is_async=True)
-            acc_c = warpgroup_mma(p_smem, _tail(tile, rope_buf, st, FMT), acc_c, is_async=True)
-            acc, acc_b, acc_c = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_b, acc_c))
-            gl.thread_barrier()
-            mbarrier.arrive(p_free, count=1)
-            mbarrier.arrive(empty.index(st), count=1)
-        mbarrier.wait(fin, k & 1)
-        m_i = ml_smem.index(0).load(gl.SliceLayout(1, L128))
-        l_i = ml_smem.index(1).load(gl.SliceLayout(1, L128))
-        m_j = ml_smem.index(0).load(gl.SliceLayout(1, L64))
-        l_j = ml_smem.index(1).load(gl.SliceLayout(1, L64))
+    acc = gl.zeros([64, 128], gl.float32, L128)
+    acc_b = gl.zeros([64, 64], gl.float32, L64)
+    acc_c = gl.zeros([64, 64], gl.float32, L64)
+    for i in range(n):
+        st = i % STAGES
+        tile = kbuf.index(st)
+        mbarrier.wait(p_ready, i & 1)
+        acc = acc * alpha_smem.load(gl.SliceLayout(1, L128))[:, None]
+        alpha = alpha_smem.load(gl.SliceLayout(1, L64))[:, None]
+        acc_b = acc_b * alpha
+        acc_c = acc_c * alpha
+        acc = warpgroup_mma(p_smem, tile.slice(256, 128, dim=1), acc, is_async=True)
+        acc_b = warpgroup_mma(p_smem, tile.slice(384, 64, dim=1), acc_b, is_async=True)
+        acc_c = warpgroup_mma(p_smem, _tail(tile, rope_buf, st, FMT), acc_c, is_async=True)
+        acc, acc_b, acc_c = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_b, acc_c))
         gl.thread_barrier()
-        mbarrier.arrive(ml_free, count=1)
-        _epilogue(acc, m_i, l_i, 256, False, i_t, i_hb, i_s, epilogue_args)
-        _epilogue(acc_b, m_j, l_j, 384, False, i_t, i_hb, i_s, epilogue_args)
-        _epilogue(acc_c, m_j, l_j, 448, False, i_t, i_hb, i_s, epilogue_args)
-        g += n
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(empty.index(st), count=1)
+    mbarrier.wait(fin, 0)
+    m_i = ml_smem.index(0).load(gl.SliceLayout(1, L128))
+    l_i = ml_smem.index(1).load(gl.SliceLayout(1, L128))
+    _epilogue(acc, m_i, l_i, 256, False, i_t, i_hb, i_s, epilogue_args)
+    m_i = ml_smem.index(0).load(gl.SliceLayout(1, L64))
+    l_i = ml_smem.index(1).load(gl.SliceLayout(1, L64))
+    _epilogue(acc_b, m_i, l_i, 384, False, i_t, i_hb, i_s, epilogue_args)
+    _epilogue(acc_c, m_i, l_i, 448, False, i_t, i_hb, i_s, epilogue_args)
 
 
 @gluon.jit
@@ -450,14 +403,15 @@ def _sparse_mla_ws_kernel(
     FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, RIGHT_REGS: gl.constexpr,
 ):
-    """Persistent: program ``p`` of the grid takes work items ``p, p + grid, ...`` of
-    ``T * ceil(H / 64) * n_split`` (:func:`_item`); arguments as ``triton._sparse_mla_kernel``'s."""
+    """Grid ``(T * ceil(H / 64), n_split)``; arguments as ``triton._sparse_mla_kernel``'s."""
     # let the LSE merge (a programmatic dependent launch) start now: it waits for this grid
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                               pack=1)
     qk_scale = qk_scale.to(gl.float32)
     kv_scale = kv_scale.to(gl.float32)
-    items = (gl.program_id(0), T * gl.cdiv(H, 64) * n_split, gl.num_programs(0), T, H)
+    i_p, i_s = gl.program_id(0), gl.program_id(1)
+    n_hb = gl.cdiv(H, 64)
+    i_t, i_hb = i_p // n_hb, i_p % n_hb
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
@@ -483,36 +437,36 @@ def _sparse_mla_ws_kernel(
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ml_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a tile
     mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=1)
     mbarrier.init(fin, count=1)
-    mbarrier.init(ml_free, count=1)
 
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    o_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, LQ))
+    o_d = gl.arange(0, 512, gl.SliceLayout(0, LQ))
+    q_ptrs = (q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], (o_h < H)[:, None])
     span_args = (swa_len, cmp_len, W, K, n_split)
     seg = (swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots,
            cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots)
     epilogue_args = (out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale)
-    gl.warp_specialize([
+    acc, m_i, l_i = gl.warp_specialize([
         (_consumer_left, (q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready,
-                          p_free, fin, ml_free, items, (q, s_qt, s_qh), span_args, epilogue_args, qk_scale,
-                          FMT, BN, STAGES)),
-        (_consumer_right, (kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin, ml_free,
-                           items, span_args, epilogue_args, FMT, BN, STAGES)),
-        (_producer, (kbuf, rope_buf, scale_buf, bias, ready, empty, items, span_args, seg,
+                          p_free, fin, q_ptrs, i_t, i_s, span_args, qk_scale, FMT, BN, STAGES)),
+        (_consumer_right, (kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
+                           i_t, i_hb, i_s, span_args, epilogue_args, FMT, BN, STAGES)),
+        (_producer, (kbuf, rope_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
                      FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES)),
     ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
+    _epilogue(acc, m_i, l_i, 0, True, i_t, i_hb, i_s, epilogue_args)
 
 
 def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift: bool) -> None:
     """Launch :func:`_sparse_mla_ws_kernel` with the ``tl`` kernel's arguments (see
-    :func:`compile_ops.mla.triton.sparse_mla_triton`, which validates and prepares them):
-    the ``tl`` kernel's ``grid`` of work items runs on at most one program per SM (one fits)."""
-    sms = torch.cuda.get_device_properties(launch_args[0].device).multi_processor_count
-    _sparse_mla_ws_kernel[(min(grid[0] * grid[1], sms), )](
+    :func:`compile_ops.mla.triton.sparse_mla_triton`, which validates and prepares them)."""
+    _sparse_mla_ws_kernel[grid](
         *launch_args,
         FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
         BN=BN, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS[fmt], RIGHT_REGS=RIGHT_REGS,
