@@ -118,6 +118,35 @@ def check(args, **kw):
     assert e_lse <= 1.0, f"lse error {e_lse:.3f} x tolerance"
 
 
+def check_every_byte(kv_format, H, device, config):
+    """Every e4m3 byte but the two NaNs (subnormals included), under UE8M0 scales from
+    2^-117 to 2^118, dequantizes exactly: with q = 0 and one entry per token, each token's
+    output is its key row, bit for bit (64 tokens, one page of 64 rows)."""
+    fmt, page = get_format(kv_format), 64
+    cache = new_cache(kv_format, 1, page, device=device)
+    raw = cache.view(torch.uint8).view(-1)
+    r = torch.arange(page, device=device)[:, None]
+    values = (torch.arange(fmt.nope, device=device) + 32 * (r % 8)) % 256  # 8 rows: all 256 in every column
+    values[(values == 0x7F) | (values == 0xFF)] = 0
+    data = raw[: page * fmt.data_bytes].view(page, fmt.data_bytes)
+    data[:, : fmt.nope] = values.to(torch.uint8)
+    if fmt.nope < 512:  # fp8_ds_mla's bf16 RoPE columns
+        rope = torch.randn(page, 512 - fmt.nope, device=device).to(torch.bfloat16)
+        data[:, fmt.nope :] = rope.view(torch.uint8)
+    if fmt.scale_bytes:
+        exponent = torch.tensor([10, 64, 120, 127, 134, 135, 180, 245], device=device).repeat_interleave(8)
+        scales = raw[page * fmt.data_bytes :].view(page, fmt.scale_bytes)
+        scales[:, : fmt.nope // fmt.block] = exponent[:, None].to(torch.uint8)
+    q = torch.zeros(page, H, 512, dtype=torch.bfloat16, device=device)
+    idx = r.to(torch.int32)
+    lens = torch.ones(page, dtype=torch.int32, device=device)
+    args = (q, cache, idx, lens, None, None, None, None, 512**-0.5, kv_format, 1.0)
+    out, lse, ref_out, ref_lse = run_both(args, config=config)
+    assert ref_out.isfinite().all() and (ref_out != 0).any()
+    assert torch.equal(out, ref_out)
+    assert torch.equal(lse, ref_lse)
+
+
 # ---------------------------------------------------------------------------------- CPU
 
 SPLIT2 = mla_triton.Config(bn=32, dsplit=2, num_warps=4, num_stages=2)
@@ -157,6 +186,11 @@ def test_interpreter_empty_rows():
     args[7] = None
     out, lse, _, _ = run_both(tuple(args))
     assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla", "fp8_dsv41"])
+def test_interpreter_dequantizes_every_byte_exactly(kv_format):
+    check_every_byte(kv_format, 1, "cpu", None)
 
 
 def test_gluon_config_refuses_the_interpreter():
@@ -242,33 +276,9 @@ def test_gpu_full_segments(kv_format, backend):
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla", "fp8_dsv41"])
 def test_gpu_dequantizes_every_byte_exactly(kv_format, backend):
-    """Every e4m3 byte but the two NaNs (subnormals included), under UE8M0 scales from
-    2^-117 to 2^118, dequantizes exactly: with q = 0 and one entry per token, each token's
-    output is its key row, bit for bit."""
+    """:func:`check_every_byte` on the GPU, 64 heads, both kernels."""
     needs(backend)
-    fmt, page, H = get_format(kv_format), 64, 64
-    cache = new_cache(kv_format, 1, page, device="cuda")
-    raw = cache.view(torch.uint8).view(-1)
-    r = torch.arange(page, device="cuda")[:, None]
-    values = (torch.arange(fmt.nope, device="cuda") + 32 * (r % 8)) % 256  # 8 rows: all 256 in every column
-    values[(values == 0x7F) | (values == 0xFF)] = 0
-    data = raw[: page * fmt.data_bytes].view(page, fmt.data_bytes)
-    data[:, : fmt.nope] = values.to(torch.uint8)
-    if fmt.nope < 512:  # fp8_ds_mla's bf16 RoPE columns
-        rope = torch.randn(page, 512 - fmt.nope, device="cuda").to(torch.bfloat16)
-        data[:, fmt.nope :] = rope.view(torch.uint8)
-    if fmt.scale_bytes:
-        exponent = torch.tensor([10, 64, 120, 127, 134, 135, 180, 245], device="cuda").repeat_interleave(8)
-        scales = raw[page * fmt.data_bytes :].view(page, fmt.scale_bytes)
-        scales[:, : fmt.nope // fmt.block] = exponent[:, None].to(torch.uint8)
-    q = torch.zeros(page, H, 512, dtype=torch.bfloat16, device="cuda")
-    idx = r.to(torch.int32)
-    lens = torch.ones(page, dtype=torch.int32, device="cuda")
-    args = (q, cache, idx, lens, None, None, None, None, 512**-0.5, kv_format, 1.0)
-    out, lse, ref_out, ref_lse = run_both(args, config=KERNELS[backend])
-    assert ref_out.isfinite().all() and (ref_out != 0).any()
-    assert torch.equal(out, ref_out)
-    assert torch.equal(lse, ref_lse)
+    check_every_byte(kv_format, 64, "cuda", KERNELS[backend])
 
 
 @pytest.mark.gpu
