@@ -184,52 +184,49 @@ def _raw_block(raw, scales, j: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr
 def _producer(kbuf, rope_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
               FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
               BN: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warpgroup: each block's rows into the next free tile (``empty``), its
+    score bias next to it, then ``ready`` (see the module docstring)."""
     swa_len, cmp_len, W, K, n_split = span_args
     n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
     slot_args = (i_t, n_swa, n_cmp, nb_swa, seg)
-    # every block's slots are loaded one block ahead: no load waits on another load
+    # 16 bytes per thread and cp.async: a warp covers one bf16 row, or 8 fp8 rows x 64 bytes
     if FMT == 0:
-        # bf16: 16-byte cp.async per thread straight into the MMA layout, 4 rows at a time
         LC: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        o_r = gl.arange(0, BN, gl.SliceLayout(1, LC))
+        L_ROW: gl.constexpr = gl.SliceLayout(1, LC)
         o_d = gl.arange(0, 512, gl.SliceLayout(0, LC))
-        slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
-        for i in range(n):
-            st = i % STAGES
-            slot = slot_next
-            slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
-            kv, o_row, _, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+    else:
+        # fp8: a block's raw rows go by cp.async into the free tile's upper half (as 4 KB
+        # column blocks: ``raw[8 + j, row, word]``; fp8_ds_mla's bf16 RoPE columns to their
+        # own tile, the scale bytes to ``scale_buf``), then are dequantized in place
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, 4, 1], [2, 1, 0])
+        L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        scales = scale_buf._reinterpret(gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    o_r = gl.arange(0, BN, L_ROW)
+    # every block's slots are loaded one block ahead: no load waits on another load
+    slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
+    for i in range(n):
+        st = i % STAGES
+        slot = slot_next
+        slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
+        kv, o_row, o_scale, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+        if FMT == 0:
             p_row = kv + o_row
-            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-            bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
-            async_copy.async_copy_global_to_shared(kbuf.index(st), p_row[:, None] + o_d[None, :], mask=valid[:, None])
+        else:  # rows are 16-byte aligned (else the tl kernel runs): saying so gives 16-byte copies
+            p_row = kv + gl.multiple_of(o_row, 16)
+        mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+        bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
+        if FMT == 0:  # straight into the MMA layout
+            async_copy.async_copy_global_to_shared(kbuf.index(st), p_row[:, None] + o_d[None, :],
+                                                   mask=valid[:, None])
             # `ready` completes when the copies land: no waiting here, so the next tile's
             # copies go out as soon as it is free (up to two tiles in flight)
             async_copy.mbarrier_arrive(ready.index(st))
             gl.thread_barrier()
-            mbarrier.arrive(ready.index(st), count=1)
-    else:
-        # fp8: a block's raw rows go by cp.async into the free tile's upper half (as 4 KB
-        # column blocks: ``raw[stage, 8 + j, row, word]``; fp8_ds_mla's bf16 RoPE columns to
-        # their own tile, the scale bytes to ``scale_buf``), then are dequantized in place
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, 4, 1], [2, 1, 0])
-        L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))
-        LR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        o_r = gl.arange(0, BN, L_ROW)
-        o_j = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
-        o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-        scales = scale_buf._reinterpret(gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
-        for i in range(n):
-            st = i % STAGES
-            slot = slot_next
-            slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
-            kv, o_row, o_scale, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-            # rows are 16-byte aligned (else the tl kernel runs): saying so gives 16-byte copies
-            p_row = kv + gl.multiple_of(o_row, 16)
-            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-            bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
+        else:
+            o_j = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+            o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
             raw = kbuf.index(st)._reinterpret(gl.int32, [16, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
             async_copy.async_copy_global_to_shared(
                 raw.slice(8, 8), p_row.to(gl.pointer_type(gl.int32))[None, :, None] + o_j * 16 + o_w,
@@ -254,7 +251,7 @@ def _producer(kbuf, rope_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args
             _dequantize(kbuf.index(st), scales.index(st), FMT, BN)
             fence_async_shared()
             gl.thread_barrier()
-            mbarrier.arrive(ready.index(st), count=1)
+        mbarrier.arrive(ready.index(st), count=1)
 
 
 @gluon.jit
