@@ -9,11 +9,12 @@ blocks (SWA blocks first), and runs three warpgroups:
 * a **producer** warpgroup (4 warps, 112-128 registers) fills a ring of two bf16 key tiles
   in shared memory. ``bf16`` rows go by ``cp.async`` straight into the MMA layout and
   ``ready``'s phase waits for them (the producer never does), so two blocks can be in
-  flight. The fp8 formats' raw rows go by ``cp.async`` into the free tile's upper half
-  (with ``fp8_ds_mla``'s bf16 RoPE columns into a tile of their own and the scale bytes
-  into a small buffer); once they land, the producer dequantizes them in place, 64
-  columns at a time (``cvt.rn.f16x2.e4m3x2`` times the UE8M0 scale, exact in bf16), and
-  signals ``ready``. Every block's slots are loaded one block ahead, so no load waits for
+  flight. The fp8 formats' raw bytes of columns 0..255 go by ``cp.async`` into a 16 KB
+  staging buffer while the previous block is converted, the rest (and ``fp8_ds_mla``'s
+  bf16 RoPE columns) into the tile once it is free; the producer converts the staged
+  columns into the tile while the rest lands, then the rest in place, 64 columns at a
+  time (``cvt.rn.f16x2.e4m3x2`` times the UE8M0 scale, exact in bf16), and signals
+  ``ready``. Every block's slots are loaded one block ahead, so no load waits for
   another load; each row's score bias (0, or ``-inf`` for a hole) goes next to the tile;
 * consumer **warpgroup 0** (the default partition) computes the whole ``S = Q K^T`` of a block
   (``wgmma`` m64n64, reading Q once), the online softmax, and ``O[:, :256] += P K[:, :256]``
@@ -27,9 +28,9 @@ blocks (SWA blocks first), and runs three warpgroups:
 So the gather and dequantization of block ``i + 1`` run on the producer's warps while the
 tensor cores work on block ``i`` (FlashMLA's SM90 sparse decoding splits its warps the same
 way; Triton's Gluon tutorials show the ``warp_specialize`` / ``mbarrier`` idiom). Shared
-memory holds Q (64 KB), the two tiles (128 KB), P (8 KB) and for ``fp8_ds_mla`` two 8 KB RoPE
-tiles: a third key tile does not fit, which bounds the ``bf16`` gather to at most two 64 KB blocks in
-flight per SM. After a split-K launch the LSE merge starts as a programmatic dependent
+memory holds Q (64 KB), the two tiles (128 KB), P (8 KB) and for the fp8 formats the 16 KB
+staging buffer: a third key tile does not fit, which bounds the ``bf16`` gather to at most two
+64 KB blocks in flight per SM. After a split-K launch the LSE merge starts as a programmatic dependent
 launch that waits on the device for this kernel. Measured on the H200 in
 ``docs/performance-sparse-mla.md``; the design log is ``docs/notes-sparse-mla.md``.
 """
@@ -49,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from compile_ops.mla.triton import GLUON, UNSPECIALIZED, sparse_mla_triton
 
 BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same split-K)
-STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB (+ 2 x 8 KB RoPE) + P (8 KB) fill the 227 KB
+STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB + P (8 KB) (+ 16 KB fp8 staging) fill the 227 KB
 # the producer's registers per thread, per FMT (no spills; the rest of 168 x 12 warps goes
 # to the consumers, and warpgroup 0 spills below ~192)
 PRODUCER_REGS = {0: 112, 1: 120, 2: 128, 3: 128}
@@ -149,32 +150,40 @@ def _convert(x, e):
 
 
 @gluon.jit
-def _dequantize(tile, scales, FMT: gl.constexpr, BN: gl.constexpr):
-    """In place: the e4m3 bytes of column block ``j`` (64 columns of every row, 4 KB at
-    ``raw[8 + j]``, the tile's upper half) -> bf16 columns ``64 j .. 64 j + 63`` of ``tile``,
-    times their UE8M0 scale bytes (``scales[row, NS j ..]``; ``fp8`` has none). ``tile``'s
-    bf16 column block ``j`` covers ``raw[2 j]`` and ``raw[2 j + 1]``, whose bytes (column
-    blocks ``2 j - 8`` and ``2 j - 7``) are already converted. Block ``j + 1`` is loaded
-    before block ``j`` is stored (the pass is latency-bound: 6-9 % faster than in turn)."""
+def _dequantize(src, NB: gl.constexpr, off: gl.constexpr, tile, scales, j0: gl.constexpr, j1: gl.constexpr,
+                FMT: gl.constexpr, BN: gl.constexpr):
+    """The e4m3 bytes of column blocks ``j0 <= j < j1`` (64 columns of every row, 4 KB at
+    ``_raw_words(src, NB)[off + j]``) -> bf16 columns ``64 j .. 64 j + 63`` of
+    ``tile``, times their UE8M0 scale bytes (``scales[row, NS j ..]``; ``fp8`` has none).
+    Block ``j + 1`` is loaded before block ``j`` is stored (the pass is latency-bound: 6-9 %
+    faster than in turn)."""
     NS: gl.constexpr = 2 if FMT == 3 else 1  # scale bytes per 64 columns
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, NS, 4 // NS], [4, 1, 1], [2, 1, 0])
-    raw = tile._reinterpret(gl.int32, [16, BN, NS, 16 // NS], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-    NCB: gl.constexpr = 7 if FMT == 2 else 8
-    x, e = _raw_block(raw, scales, 0, FMT, BN, LW)
-    for j in gl.static_range(NCB):
+    raw = _raw_words(src, NB, FMT, BN)
+    x, e = _raw_block(raw, off, scales, j0, FMT, BN, LW)
+    for j in gl.static_range(j0, j1):
         # the next block's loads go out before this block's store (never overlapping it)
-        if j + 1 < NCB:
-            x_next, e_next = _raw_block(raw, scales, j + 1, FMT, BN, LW)
+        if j + 1 < j1:
+            x_next, e_next = _raw_block(raw, off, scales, j + 1, FMT, BN, LW)
         tile.slice(64 * j, 64, dim=1).store(_convert(x, e))
-        if j + 1 < NCB:
+        if j + 1 < j1:
             x, e = x_next, e_next
 
 
 @gluon.jit
-def _raw_block(raw, scales, j: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr, LW: gl.constexpr):
+def _raw_words(buf, NB: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr):
+    """``buf`` (a key tile: ``NB = 16``, or the staging buffer: ``NB = 4``) as ``NB`` 4 KB
+    raw column blocks of words ``[NB, BN, NS, 16 / NS]``."""
+    NS: gl.constexpr = 2 if FMT == 3 else 1
+    return buf._reinterpret(gl.int32, [NB, BN, NS, 16 // NS], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+
+
+@gluon.jit
+def _raw_block(raw, off: gl.constexpr, scales, j: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr,
+               LW: gl.constexpr):
     """Column block ``j``'s raw words ``[BN, NS, 16 / NS]`` and scale bytes ``[BN, NS, 1]``."""
     NS: gl.constexpr = 2 if FMT == 3 else 1
-    x = raw.index(8 + j).load(LW)
+    x = raw.index(off + j).load(LW)
     if FMT == 1:  # one scale for the whole cache, applied to the scores and the output
         e = gl.full([BN, NS, 1], 127, gl.uint8, LW)
     else:
@@ -183,77 +192,134 @@ def _raw_block(raw, scales, j: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr
 
 
 @gluon.jit
-def _producer(kbuf, rope_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
+def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
               FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
               BN: gl.constexpr, STAGES: gl.constexpr):
     """The producer warpgroup: each block's rows into the next free tile (``empty``), its
-    score bias next to it, then ``ready`` (see the module docstring)."""
+    score bias next to it, then ``ready`` (see the module docstring). Every block's slots
+    are loaded one block ahead, so no load waits on another load."""
     swa_len, cmp_len, W, K, n_split = span_args
     n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
     slot_args = (i_t, n_swa, n_cmp, nb_swa, seg)
-    # 16 bytes per thread and cp.async: a warp covers one bf16 row, or 8 fp8 rows x 64 bytes
-    if FMT == 0:  # (4 rows of 128 bytes per warp and copy: 3-9 % faster than 1 row of 512)
+    if FMT == 0:  # 16 bytes per thread and cp.async, 4 rows of 128 bytes per warp and copy
         LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        L_ROW: gl.constexpr = gl.SliceLayout(1, LC)
+        o_r = gl.arange(0, BN, gl.SliceLayout(1, LC))
         o_d = gl.arange(0, 512, gl.SliceLayout(0, LC))
-    else:
-        # fp8: a block's raw rows go by cp.async into the free tile's upper half (as 4 KB
-        # column blocks: ``raw[8 + j, row, word]``; fp8_ds_mla's bf16 RoPE columns to their
-        # own tile, the scale bytes to ``scale_buf``), then are dequantized in place
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, 4, 1], [2, 1, 0])
-        L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))
-        LR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        scales = scale_buf._reinterpret(gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    o_r = gl.arange(0, BN, L_ROW)
-    # every block's slots are loaded one block ahead: no load waits on another load
-    slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
-    for i in range(n):
-        st = i % STAGES
-        slot = slot_next
-        slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
-        kv, o_row, o_scale, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-        if FMT == 0:
-            p_row = kv + o_row
-        else:  # rows are 16-byte aligned (else the tl kernel runs): saying so gives 16-byte copies
-            p_row = kv + gl.multiple_of(o_row, 16)
-        mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
-        bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
-        if FMT == 0:  # straight into the MMA layout
-            async_copy.async_copy_global_to_shared(kbuf.index(st), p_row[:, None] + o_d[None, :],
+        slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
+        for i in range(n):
+            st = i % STAGES
+            slot = slot_next
+            slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
+            kv, o_row, _, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
+            # straight into the MMA layout; `ready` completes when the copies land: no
+            # waiting here, so the next tile's copies go out as soon as it is free (up to
+            # two tiles in flight)
+            async_copy.async_copy_global_to_shared(kbuf.index(st), (kv + o_row)[:, None] + o_d[None, :],
                                                    mask=valid[:, None])
-            # `ready` completes when the copies land: no waiting here, so the next tile's
-            # copies go out as soon as it is free (up to two tiles in flight)
             async_copy.mbarrier_arrive(ready.index(st))
             gl.thread_barrier()
-        else:
-            o_j = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
-            o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-            raw = kbuf.index(st)._reinterpret(gl.int32, [16, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-            async_copy.async_copy_global_to_shared(
-                raw.slice(8, 8), p_row.to(gl.pointer_type(gl.int32))[None, :, None] + o_j * 16 + o_w,
-                mask=valid[None, :, None] & (o_j < (7 if FMT == 2 else 8)))
-            if FMT == 2:
-                p_rope = gl.convert_layout(p_row + 448, gl.SliceLayout(1, LR)).to(gl.pointer_type(gl.bfloat16))
-                o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
-                async_copy.async_copy_global_to_shared(
-                    rope_buf.index(st), p_rope[:, None] + o_c[None, :],
-                    mask=gl.convert_layout(valid, gl.SliceLayout(1, LR))[:, None])
-            if FMT != 1:
-                SW: gl.constexpr = SCALE // 4
-                LS: gl.constexpr = gl.BlockedLayout([1, SW], [32, 1], [4, 1], [1, 0])
-                p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, SCALE), gl.SliceLayout(1, LS))
-                o_s = gl.arange(0, SW, gl.SliceLayout(0, LS))
-                async_copy.async_copy_global_to_shared(
-                    scale_buf.index(st).slice(0, SW, dim=1), p_scale.to(gl.pointer_type(gl.int32))[:, None] + o_s[None, :],
-                    mask=gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None])
+            mbarrier.arrive(ready.index(st), count=1)
+    else:
+        # fp8: raw column blocks 0..3 of block i + 1 (and its scale bytes) go by cp.async into
+        # `stage_buf` while block i is converted, so their latency overlaps it; the rest of
+        # a block's raw bytes (and fp8_ds_mla's bf16 RoPE columns) go into its tile once it
+        # is free (see _copy_tile), and are converted in place after the staged ones
+        L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _copy_layout()))
+        o_r = gl.arange(0, BN, L_ROW)
+        NCB: gl.constexpr = 7 if FMT == 2 else 8
+        scales = scale_buf._reinterpret(gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
+        _copy_staged(stage_buf, scale_buf.index(0), slot_next, i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT, FMT, BN)
+        async_copy.commit_group()
+        for i in range(n):
+            st = i % STAGES
+            slot = slot_next
+            slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
+            kv, o_row, _, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+            tile = kbuf.index(st)
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
+            _copy_tile(tile, kv + gl.multiple_of(o_row, 16), valid, FMT, BN)
             async_copy.commit_group()
-            async_copy.wait_group(0)
+            async_copy.wait_group(1)  # block i's staged bytes have landed
             gl.thread_barrier()
-            _dequantize(kbuf.index(st), scales.index(st), FMT, BN)
+            _dequantize(stage_buf, 4, 0, tile, scales.index(st), 0, 4, FMT, BN)
+            gl.thread_barrier()  # every thread has read the staged bytes
+            _copy_staged(stage_buf, scale_buf.index((i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa, seg, DATA, SCALE,
+                         PAGE_SHIFT, FMT, BN)
+            async_copy.commit_group()
+            async_copy.wait_group(1)  # block i's tile part has landed
+            gl.thread_barrier()
+            _dequantize(tile, 16, _raw_offset(FMT), tile, scales.index(st), 4, NCB, FMT, BN)
             fence_async_shared()
             gl.thread_barrier()
-        mbarrier.arrive(ready.index(st), count=1)
+            mbarrier.arrive(ready.index(st), count=1)
+
+
+@gluon.constexpr_function
+def _raw_offset(FMT):
+    """Where a tile holds its block's raw column blocks ``r >= 4``: ``raw[off + r]`` (4 KB
+    each). bf16 column block ``j`` (``raw[2 j]``, ``raw[2 j + 1]``) then overwrites only raw
+    blocks already read, given that :func:`_dequantize` loads block ``j + 1`` before storing
+    block ``j``: ``fp8_ds_mla`` (raw 4..6 at 8..10, RoPE at 14..15): ``j = 4`` covers raw 4
+    and 5, ``j = 5`` raw 6; the others (raw 4..7 at 12..15): ``j = 6`` covers raw 4 and 5,
+    ``j = 7`` raw 6 and 7."""
+    return 4 if FMT == 2 else 8
+
+
+@gluon.constexpr_function
+def _copy_layout():
+    """fp8 raw copies ``[column blocks, BN, 16 words]``: 16 bytes per thread and cp.async, a
+    warp covering 8 rows x 64 bytes."""
+    return gl.BlockedLayout([1, 1, 4], [1, 8, 4], [1, 4, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr,
+                 PAGE_SHIFT: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr):
+    """Block ``i_b``'s raw column blocks 0..3 (rows ``slot``) into ``stage_buf`` and its scale
+    bytes into ``scale_st``, by ``cp.async`` (for the caller to commit)."""
+    L3: gl.constexpr = _copy_layout()
+    kv, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+    p_row = (kv + gl.multiple_of(o_row, 16)).to(gl.pointer_type(gl.int32))
+    o_j = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    async_copy.async_copy_global_to_shared(stage_buf, p_row[None, :, None] + o_j * 16 + o_w,
+                                           mask=valid[None, :, None])
+    if FMT != 1:
+        SW: gl.constexpr = SCALE // 4
+        LS: gl.constexpr = gl.BlockedLayout([1, SW], [32, 1], [4, 1], [1, 0])
+        p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, SCALE), gl.SliceLayout(1, LS))
+        o_s = gl.arange(0, SW, gl.SliceLayout(0, LS))
+        async_copy.async_copy_global_to_shared(
+            scale_st.slice(0, SW, dim=1), p_scale.to(gl.pointer_type(gl.int32))[:, None] + o_s[None, :],
+            mask=gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None])
+
+
+@gluon.jit
+def _copy_tile(tile, p_row, valid, FMT: gl.constexpr, BN: gl.constexpr):
+    """A block's raw column blocks ``r >= 4`` into its (free) tile at ``raw[RB + r - 4]``
+    (4 KB each, see :func:`_raw_offset`), and ``fp8_ds_mla``'s bf16 RoPE columns straight
+    into columns 448..511."""
+    L3: gl.constexpr = _copy_layout()
+    NCB: gl.constexpr = 7 if FMT == 2 else 8
+    RB: gl.constexpr = _raw_offset(FMT) + 4
+    raw = tile._reinterpret(gl.int32, [16, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    o_j = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    async_copy.async_copy_global_to_shared(
+        raw.slice(RB, 4), p_row.to(gl.pointer_type(gl.int32))[None, :, None] + (4 + o_j) * 16 + o_w,
+        mask=valid[None, :, None] & (4 + o_j < NCB))
+    if FMT == 2:
+        LR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        p_rope = gl.convert_layout(p_row + 448, gl.SliceLayout(1, LR)).to(gl.pointer_type(gl.bfloat16))
+        o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
+        async_copy.async_copy_global_to_shared(
+            tile.slice(448, 64, dim=1), p_rope[:, None] + o_c[None, :],
+            mask=gl.convert_layout(valid, gl.SliceLayout(1, LR))[:, None])
 
 
 @gluon.jit
@@ -270,9 +336,8 @@ def _softmax(s, b, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consumer_left(q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
-                   q_ptrs, i_t, i_s, span_args, qk_scale, FMT: gl.constexpr, BN: gl.constexpr,
-                   STAGES: gl.constexpr):
+def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
+                   q_ptrs, i_t, i_s, span_args, qk_scale, BN: gl.constexpr, STAGES: gl.constexpr):
     """Warpgroup 0: ``S = Q K^T`` for the whole block (``wgmma`` m64n64, reading Q once), the
     softmax, and ``O[:, :256] += P K[:, :256]`` with ``P`` from registers; hands ``P`` and the
     rescale factor to :func:`_consumer_right` through shared memory, and the final row max
@@ -301,8 +366,8 @@ def _consumer_left(q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, re
         tile = kbuf.index(st)
         s = gl.zeros([64, BN], gl.float32, S_L)
         for c in gl.static_range(8):
-            s = warpgroup_mma(q_smem.slice(64 * c, 64, dim=1), _column_block(tile, rope_buf, st, c, FMT).permute((1, 0)),
-                              s, use_acc=c > 0, is_async=True)
+            s = warpgroup_mma(q_smem.slice(64 * c, 64, dim=1), tile.slice(64 * c, 64, dim=1).permute((1, 0)), s,
+                              use_acc=c > 0, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         p, alpha, m_i, l_i = _softmax(s, bias.index(st).load(gl.SliceLayout(0, S_L)), m_i, l_i, qk_scale)
         mbarrier.wait(p_free, (i & 1) ^ 1, pred=i > 0)  # the right half has used P of block i - 1
@@ -312,8 +377,7 @@ def _consumer_left(q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, re
         gl.thread_barrier()
         mbarrier.arrive(p_ready, count=1)
         # the right half's P K runs while this one finishes; the tensor cores stay busy
-        o = _pv(gl.convert_layout(p, P_L), gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), tile, rope_buf, st, 0,
-                o, FMT)
+        o = _pv(gl.convert_layout(p, P_L), gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), tile, 0, o)
         gl.thread_barrier()
         mbarrier.arrive(empty.index(st), count=1)
     ml_smem.index(0).store(m_i)
@@ -324,9 +388,8 @@ def _consumer_left(q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, re
 
 
 @gluon.jit
-def _consumer_right(kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
-                    i_t, i_hb, i_s, span_args, epilogue_args, FMT: gl.constexpr, BN: gl.constexpr,
-                    STAGES: gl.constexpr):
+def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
+                    i_t, i_hb, i_s, span_args, epilogue_args, BN: gl.constexpr, STAGES: gl.constexpr):
     """Warpgroup 1: ``O[:, 256:] += P K[:, 256:]`` with :func:`_consumer_left`'s ``P`` and
     rescale factor, then stores its four output column blocks (:func:`_epilogue`)."""
     swa_len, cmp_len, W, K, n_split = span_args
@@ -337,7 +400,7 @@ def _consumer_right(kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready,
     for i in range(n):
         st = i % STAGES
         mbarrier.wait(p_ready, i & 1)
-        o = _pv(p_smem, alpha_smem.load(gl.SliceLayout(1, O_L)), kbuf.index(st), rope_buf, st, 4, o, FMT)
+        o = _pv(p_smem, alpha_smem.load(gl.SliceLayout(1, O_L)), kbuf.index(st), 4, o)
         gl.thread_barrier()
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(empty.index(st), count=1)
@@ -349,23 +412,14 @@ def _consumer_right(kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready,
 
 
 @gluon.jit
-def _pv(p, alpha, tile, rope_buf, st, c0: gl.constexpr, o, FMT: gl.constexpr):
+def _pv(p, alpha, tile, c0: gl.constexpr, o):
     """``o[c] = o[c] * alpha + P K[:, 64 (c0 + c) ..]`` for the four output column blocks
     ``o`` (``wgmma`` m64n64; ``P`` from registers or shared memory)."""
-    o0 = warpgroup_mma(p, _column_block(tile, rope_buf, st, c0, FMT), o[0] * alpha[:, None], is_async=True)
-    o1 = warpgroup_mma(p, _column_block(tile, rope_buf, st, c0 + 1, FMT), o[1] * alpha[:, None], is_async=True)
-    o2 = warpgroup_mma(p, _column_block(tile, rope_buf, st, c0 + 2, FMT), o[2] * alpha[:, None], is_async=True)
-    o3 = warpgroup_mma(p, _column_block(tile, rope_buf, st, c0 + 3, FMT), o[3] * alpha[:, None], is_async=True)
+    o0 = warpgroup_mma(p, tile.slice(64 * c0, 64, dim=1), o[0] * alpha[:, None], is_async=True)
+    o1 = warpgroup_mma(p, tile.slice(64 * c0 + 64, 64, dim=1), o[1] * alpha[:, None], is_async=True)
+    o2 = warpgroup_mma(p, tile.slice(64 * c0 + 128, 64, dim=1), o[2] * alpha[:, None], is_async=True)
+    o3 = warpgroup_mma(p, tile.slice(64 * c0 + 192, 64, dim=1), o[3] * alpha[:, None], is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
-
-
-@gluon.jit
-def _column_block(tile, rope_buf, st, c: gl.constexpr, FMT: gl.constexpr):
-    """Key columns ``64 c .. 64 c + 63`` of tile ``st``: for ``c = 7``, ``fp8_ds_mla``'s RoPE tile."""
-    if FMT == 2 and c == 7:
-        return rope_buf.index(st)
-    else:
-        return tile.slice(64 * c, 64, dim=1)
 
 
 @gluon.jit
@@ -424,11 +478,10 @@ def _sparse_mla_ws_kernel(
     b_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], q_layout)
     kbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], k_layout)
-    if FMT == 2:  # its bf16 RoPE columns (448..511) get their own tiles, filled by cp.async
-        rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16)
-        rope_buf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 64], rope_layout)
-    else:
-        rope_buf = kbuf
+    if FMT == 0:
+        stage_buf = kbuf
+    else:  # raw column blocks 0..3 of the next block (see _producer)
+        stage_buf = gl.allocate_shared_memory(gl.int32, [4, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BN], p_layout)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [64], b_layout)
     ml_smem = gl.allocate_shared_memory(gl.float32, [2, 64], b_layout)
@@ -458,11 +511,11 @@ def _sparse_mla_ws_kernel(
            cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots)
     epilogue_args = (out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale)
     o, m_i, l_i = gl.warp_specialize([
-        (_consumer_left, (q_smem, kbuf, rope_buf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready,
-                          p_free, fin, q_ptrs, i_t, i_s, span_args, qk_scale, FMT, BN, STAGES)),
-        (_consumer_right, (kbuf, rope_buf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
-                           i_t, i_hb, i_s, span_args, epilogue_args, FMT, BN, STAGES)),
-        (_producer, (kbuf, rope_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
+        (_consumer_left, (q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
+                          q_ptrs, i_t, i_s, span_args, qk_scale, BN, STAGES)),
+        (_consumer_right, (kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
+                           i_t, i_hb, i_s, span_args, epilogue_args, BN, STAGES)),
+        (_producer, (kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
                      FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES)),
     ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
     for c in gl.static_range(4):
