@@ -301,9 +301,9 @@ def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr
 
 @gluon.jit
 def _copy_tile(tile, p_row, valid, FMT: gl.constexpr, BN: gl.constexpr):
-    """A block's raw column blocks ``r >= 4`` into its (free) tile at ``raw[RB + r - 4]``
-    (4 KB each, see :func:`_raw_offset`), and ``fp8_ds_mla``'s bf16 RoPE columns straight
-    into columns 448..511."""
+    """A block's raw column blocks ``r >= 4`` into its (free) tile at ``raw[_raw_offset + r]``
+    (4 KB each), and ``fp8_ds_mla``'s bf16 RoPE columns straight into columns 448..511, by
+    ``cp.async`` (for the caller to commit)."""
     L3: gl.constexpr = _copy_layout()
     NCB: gl.constexpr = 7 if FMT == 2 else 8
     RB: gl.constexpr = _raw_offset(FMT) + 4
