@@ -337,7 +337,7 @@ def _softmax(s, b, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
-                   q_ptrs, i_t, i_s, span_args, qk_scale, BN: gl.constexpr, STAGES: gl.constexpr):
+                   q_ptrs, i_t, i_hb, i_s, span_args, qk_scale, epilogue_args, BN: gl.constexpr, STAGES: gl.constexpr):
     """Warpgroup 0: ``S = Q K^T`` for the whole block (``wgmma`` m64n64, reading Q once), the
     softmax, and ``O[:, :256] += P K[:, :256]`` with ``P`` from registers; hands ``P`` and the
     rescale factor to :func:`_consumer_right` through shared memory, and the final row max
@@ -384,7 +384,10 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
     ml_smem.index(1).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(fin, count=1)
-    return o, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    m_i = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
+    l_i = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    for c in gl.static_range(4):
+        _epilogue(o[c], m_i, l_i, 64 * c, c == 0, i_t, i_hb, i_s, epilogue_args)
 
 
 @gluon.jit
@@ -510,16 +513,14 @@ def _sparse_mla_ws_kernel(
     seg = (swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots,
            cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots)
     epilogue_args = (out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale)
-    o, m_i, l_i = gl.warp_specialize([
+    gl.warp_specialize([
         (_consumer_left, (q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
-                          q_ptrs, i_t, i_s, span_args, qk_scale, BN, STAGES)),
+                          q_ptrs, i_t, i_hb, i_s, span_args, qk_scale, epilogue_args, BN, STAGES)),
         (_consumer_right, (kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
                            i_t, i_hb, i_s, span_args, epilogue_args, BN, STAGES)),
         (_producer, (kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
                      FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES)),
     ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
-    for c in gl.static_range(4):
-        _epilogue(o[c], m_i, l_i, 64 * c, c == 0, i_t, i_hb, i_s, epilogue_args)
 
 
 def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift: bool) -> None:
