@@ -341,8 +341,9 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
     """Warpgroup 0: ``S = Q K^T`` for the whole block (``wgmma`` m64n64, reading Q once), the
     softmax, and ``O[:, :256] += P K[:, :256]`` with ``P`` from registers; hands ``P`` and the
     rescale factor to :func:`_consumer_right` through shared memory, and the final row max
-    and sum after the last block. Returns its four output column blocks, the row max and
-    the row sum."""
+    and sum after the last block; then stores its four output column blocks and the LSE
+    (:func:`_epilogue`) here, not after ``warp_specialize``, which returns only once every
+    partition has finished: so both halves' stores overlap (T = 1: 0.6-0.7 us)."""
     swa_len, cmp_len, W, K, n_split = span_args
     _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
