@@ -232,24 +232,24 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
         NCB: gl.constexpr = 7 if FMT == 2 else 8
         scales = scale_buf._reinterpret(gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
-        _copy_staged(stage_buf, scale_buf.index(0), slot_next, i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT, FMT, BN)
+        rows_next = _copy_staged(stage_buf, scale_buf.index(0), slot_next, i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT,
+                                 FMT, BN)
         async_copy.commit_group()
         for i in range(n):
             st = i % STAGES
-            slot = slot_next
+            p_row, valid = rows_next
             slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
-            kv, o_row, _, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
             tile = kbuf.index(st)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
-            _copy_tile(tile, kv + gl.multiple_of(o_row, 16), valid, FMT, BN)
+            _copy_tile(tile, p_row, valid, FMT, BN)
             async_copy.commit_group()
             async_copy.wait_group(1)  # block i's staged bytes have landed
             gl.thread_barrier()
             _dequantize(stage_buf, 4, 0, tile, scales.index(st), 0, 4, FMT, BN)
             gl.thread_barrier()  # every thread has read the staged bytes
-            _copy_staged(stage_buf, scale_buf.index((i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa, seg, DATA, SCALE,
-                         PAGE_SHIFT, FMT, BN)
+            rows_next = _copy_staged(stage_buf, scale_buf.index((i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa, seg,
+                                     DATA, SCALE, PAGE_SHIFT, FMT, BN)
             async_copy.commit_group()
             async_copy.wait_group(1)  # block i's tile part has landed
             gl.thread_barrier()
@@ -281,10 +281,12 @@ def _copy_layout():
 def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr,
                  PAGE_SHIFT: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr):
     """Block ``i_b``'s raw column blocks 0..3 (rows ``slot``) into ``stage_buf`` and its scale
-    bytes into ``scale_st``, by ``cp.async`` (for the caller to commit)."""
+    bytes into ``scale_st``, by ``cp.async`` (for the caller to commit). Returns each row's
+    pointer and whether it is valid, for the rest of the block (:func:`_copy_tile`)."""
     L3: gl.constexpr = _copy_layout()
     kv, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-    p_row = (kv + gl.multiple_of(o_row, 16)).to(gl.pointer_type(gl.int32))
+    p_byte = kv + gl.multiple_of(o_row, 16)
+    p_row = p_byte.to(gl.pointer_type(gl.int32))
     o_j = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
     o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     async_copy.async_copy_global_to_shared(stage_buf, p_row[None, :, None] + o_j * 16 + o_w,
@@ -297,6 +299,7 @@ def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr
         async_copy.async_copy_global_to_shared(
             scale_st.slice(0, SW, dim=1), p_scale.to(gl.pointer_type(gl.int32))[:, None] + o_s[None, :],
             mask=gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None])
+    return p_byte, valid
 
 
 @gluon.jit
