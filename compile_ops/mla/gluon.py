@@ -209,10 +209,11 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
         o_r = gl.arange(0, BN, gl.SliceLayout(1, LC))
         o_d = gl.arange(0, 512, gl.SliceLayout(0, LC))
         slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
+        slot_after = _slots(i_b0 + 1, o_r, n > 1, *slot_args, BN)
         for i in range(n):
             st = i % STAGES
-            slot = slot_next
-            slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
+            slot, slot_next = slot_next, slot_after
+            slot_after = _slots(i_b0 + i + 2, o_r, i + 2 < n, *slot_args, BN)
             kv, o_row, _, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
@@ -233,14 +234,14 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
         o_r = gl.arange(0, BN, L_ROW)
         NCB: gl.constexpr = 7 if FMT == 2 else 8
         scales = scale_buf._reinterpret(gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
-        rows_next = _copy_staged(stage_buf, scale_buf.index(0), slot_next, i_b0, nb_swa, seg, DATA, SCALE, PAGE_SHIFT,
-                                 FMT, BN)
+        rows_next = _copy_staged(stage_buf, scale_buf.index(0), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
+                                 nb_swa, seg, DATA, SCALE, PAGE_SHIFT, FMT, BN)
         async_copy.commit_group()
+        slot_next = _slots(i_b0 + 1, o_r, n > 1, *slot_args, BN)
         for i in range(n):
             st = i % STAGES
             p_row, valid = rows_next
-            slot_next = _slots(i_b0 + i + 1, o_r, i + 1 < n, *slot_args, BN)
+            slot_after = _slots(i_b0 + i + 2, o_r, i + 2 < n, *slot_args, BN)
             tile = kbuf.index(st)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
@@ -252,6 +253,7 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
             gl.thread_barrier()  # every thread has read the staged bytes
             rows_next = _copy_staged(stage_buf, scale_buf.index((i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa, seg,
                                      DATA, SCALE, PAGE_SHIFT, FMT, BN)
+            slot_next = slot_after
             async_copy.commit_group()
             async_copy.wait_group(1)  # block i's tile part has landed
             gl.thread_barrier()
@@ -295,7 +297,7 @@ def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr
                                            mask=valid[None, :, None])
     if FMT != 1:
         SW: gl.constexpr = SCALE // 4
-        LS: gl.constexpr = gl.BlockedLayout([1, SW], [32, 1], [4, 1], [1, 0])
+        LS: gl.constexpr = gl.BlockedLayout([1, SW], [8, 4], [4, 1], [1, 0])  # rows as in L3: no layout conversion
         p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, SCALE), gl.SliceLayout(1, LS))
         o_s = gl.arange(0, SW, gl.SliceLayout(0, LS))
         async_copy.async_copy_global_to_shared(
@@ -382,7 +384,6 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
         mbarrier.wait(p_free, (i & 1) ^ 1, pred=i > 0)  # the right half has used P of block i - 1
         p_smem.store(p)
         alpha_smem.store(alpha)
-        fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(p_ready, count=1)
         o = warpgroup_mma_wait(num_outstanding=0, deps=o)
@@ -407,14 +408,18 @@ def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, f
     _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     o = (gl.zeros([64, 64], gl.float32, O_L), ) * 4
     for i in range(n):
         st = i % STAGES
         mbarrier.wait(p_ready, i & 1)
-        o = _pv_async(p_smem, alpha_smem.load(gl.SliceLayout(1, O_L)), kbuf.index(st), 4, o)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=o)
+        p = p_smem.load(P_L)
+        alpha = alpha_smem.load(gl.SliceLayout(1, O_L))
         gl.thread_barrier()
         mbarrier.arrive(p_free, count=1)
+        o = _pv_async(p, alpha, kbuf.index(st), 4, o)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=o)
+        gl.thread_barrier()
         mbarrier.arrive(empty.index(st), count=1)
     mbarrier.wait(fin, 0)
     m_i = ml_smem.index(0).load(gl.SliceLayout(1, O_L))
