@@ -55,7 +55,7 @@ BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same 
 STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB + P (8 KB) (+ 16 KB fp8 staging) fill the 227 KB
 # the producer's registers per thread, per FMT (no spills; the rest of 168 x 12 warps goes
 # to the consumers, and warpgroup 0 spills below ~192)
-PRODUCER_REGS = {0: 112, 1: 120, 2: 128, 3: 128}
+PRODUCER_REGS = {0: 112, 1: 112, 2: 120, 3: 120}
 RIGHT_REGS = 176  # warpgroup 1: 128 accumulator registers; 152 serializes its wgmma
 MAX_REGS = 168
 
