@@ -32,7 +32,7 @@ Limits (H200 numbers and the reasons in ``docs/performance-sparse-mla.md`` and
 from shared memory; the fp8 formats add ~600 dequantization instructions per thread and
 64-row block. Result: 0.3-0.7x FlashMLA's fp8_ds_mla time. On sm_90 the warp-specialized
 Gluon kernel (:mod:`compile_ops.mla.gluon`, backend ``"gluon"``, ``Config(gluon=True)``)
-reuses this host side and is 1.3-3.0x faster; this kernel stays the portable one, the one
+reuses this host side and is 1.3-3.2x faster; this kernel stays the portable one, the one
 Inductor inlines, and the interpreter twin the CPU tests run.
 """
 
