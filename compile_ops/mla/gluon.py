@@ -23,7 +23,7 @@ blocks (SWA blocks first), and runs three warpgroups:
 * consumer **warpgroup 1**, which loads ``P`` into registers, frees the hand-over buffer
   and only computes ``O[:, 256:] += P K[:, 256:]``, so its product overlaps warpgroup 0's
   next ``Q K^T`` and softmax (with ``P`` read by ``ld.shared``, not by ``wgmma``, the
-  hand-over needs no async-proxy fence: 2-6 % faster). Each releases the tile
+  hand-over needs no async-proxy fence: 2-5 % faster). Each releases the tile
   (``empty``) after its own product. Every product runs per 64-column block (m64n64:
   ``Q K^T`` as eight chained steps, each half of ``P K`` as four accumulators), which
   made ``bf16`` 6-10 % faster than m64n256 / m64n128 products (fp8 formats unchanged).
