@@ -545,15 +545,20 @@ def _sparse_mla_ws_kernel(
     ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
 
 
-def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift: bool) -> None:
-    """Launch :func:`_sparse_mla_ws_kernel` with the ``tl`` kernel's arguments (see
-    :func:`compile_ops.mla.triton.sparse_mla_triton`, which validates and prepares them)."""
-    _sparse_mla_ws_kernel[grid](
-        *launch_args,
+def launch_options(fmt: int, data: int, scale_bytes: int, page_shift: bool) -> dict:
+    """Every :func:`_sparse_mla_ws_kernel` launch's compile-time arguments and options
+    (``num_warps``, ``maxnreg``) for a format code and its row layout."""
+    return dict(
         FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
         BN=BN, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS[fmt], RIGHT_REGS=RIGHT_REGS,
         num_warps=4, maxnreg=MAX_REGS,
     )
+
+
+def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift: bool) -> None:
+    """Launch :func:`_sparse_mla_ws_kernel` with the ``tl`` kernel's arguments (see
+    :func:`compile_ops.mla.triton.sparse_mla_triton`, which validates and prepares them)."""
+    _sparse_mla_ws_kernel[grid](*launch_args, **launch_options(fmt, data, scale_bytes, page_shift))
 
 
 def sparse_mla_gluon(*args) -> None:

@@ -1,0 +1,99 @@
+"""The warp-specialized Gluon kernel (``compile_ops/mla/gluon.py``) built for sm_90 on the CPU.
+
+CI has no GPU and Gluon has no interpreter, so without this test an edit that breaks the
+kernel's Hopper build, makes it spill registers or outgrow the H200's shared memory would
+first show up on the device. Triton ships ptxas and cuobjdump, so the whole build (PTX,
+cubin, SASS) runs here, for every format, with the compile-time arguments and options of
+a real launch (:func:`compile_ops.mla.gluon.launch_options`). The build runs in a process
+of its own: the tests' process runs Triton in its interpreter (``conftest.py``)."""
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41"]
+
+SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt into on sm_90
+POINTER_TYPES = {
+    "q": "*bf16", "out": "*bf16", "lse": "*fp32", "part_o": "*fp32", "part_lse": "*fp32", "sink": "*fp32",
+    "swa_idx": "*i32", "swa_len": "*i32", "cmp_idx": "*i32", "cmp_len": "*i32",
+}
+CACHE_TYPES = {torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8"}
+# as Triton specializes a launch with contiguous index tensors and 16-byte aligned strides
+ONES = ("s_swa_n", "s_cmp_n")
+ALIGNED = ("s_qt", "s_qh", "swa_stride", "cmp_stride")
+
+
+def build_sm90(kv_format):
+    """:func:`gluon._sparse_mla_ws_kernel` compiled for sm_90 as a launch on ``kv_format``
+    caches with power-of-two pages would compile it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from compile_ops.formats import get_format
+    from compile_ops.mla import gluon
+    from compile_ops.mla import triton as mla_triton
+
+    fmt, data, scale_bytes = mla_triton._FORMATS[kv_format]
+    options = gluon.launch_options(fmt, data, scale_bytes, page_shift=True)
+    num_warps, maxnreg = options.pop("num_warps"), options.pop("maxnreg")
+    kernel = gluon._sparse_mla_ws_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature, constants = {}, {}
+    for i, name in enumerate(names):
+        if name in options or name in ONES:
+            signature[name] = "constexpr"
+            constants[(i,)] = options.get(name, 1)
+        elif name in ("swa_kv", "cmp_kv"):
+            signature[name] = CACHE_TYPES[get_format(kv_format).dtype]
+        else:
+            signature[name] = POINTER_TYPES.get(name, "fp32" if name in ("qk_scale", "kv_scale") else "i32")
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if signature[name].startswith("*") or name in ALIGNED}
+    source = GluonASTSource(kernel, signature, constants, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+
+
+def build_report(kv_format):
+    """What the tests check of one format's sm_90 build."""
+    compiled = build_sm90(kv_format)
+    sass = compiled.asm["sass"]
+    return dict(
+        shared=compiled.metadata.shared,
+        spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
+        wgmma=sass.count("HGMMA"),
+        setmaxnreg=sass.count("USETMAXREG"),
+    )
+
+
+@pytest.fixture(scope="module")
+def reports():
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, __file__, *FORMATS], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+def test_gluon_kernel_builds_for_sm90_without_spills(kv_format, reports):
+    report = reports[kv_format]
+    assert report["shared"] <= SM90_SHARED_BYTES, f"{report['shared']} bytes of shared memory"
+    assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
+    assert report["wgmma"] > 0  # the products run as wgmma
+    assert report["setmaxnreg"] >= 3  # the warpgroups' register split survived
+
+
+if __name__ == "__main__":
+    print(json.dumps({kv_format: build_report(kv_format) for kv_format in sys.argv[1:]}))
