@@ -27,7 +27,6 @@ POINTER_TYPES = {
     "q": "*bf16", "out": "*bf16", "lse": "*fp32", "part_o": "*fp32", "part_lse": "*fp32", "sink": "*fp32",
     "swa_idx": "*i32", "swa_len": "*i32", "cmp_idx": "*i32", "cmp_len": "*i32",
 }
-CACHE_TYPES = {torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8"}
 # as Triton specializes a launch with contiguous index tensors and 16-byte aligned strides
 ONES = ("s_swa_n", "s_cmp_n")
 ALIGNED = ("s_qt", "s_qh", "swa_stride", "cmp_stride")
@@ -39,6 +38,7 @@ def build_sm90(kv_format):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
 
     from compile_ops.formats import get_format
     from compile_ops.mla import gluon
@@ -55,7 +55,7 @@ def build_sm90(kv_format):
             signature[name] = "constexpr"
             constants[(i,)] = options.get(name, 1)
         elif name in ("swa_kv", "cmp_kv"):
-            signature[name] = CACHE_TYPES[get_format(kv_format).dtype]
+            signature[name] = mangle_type(torch.empty(0, dtype=get_format(kv_format).dtype))
         else:
             signature[name] = POINTER_TYPES.get(name, "fp32" if name in ("qk_scale", "kv_scale") else "i32")
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
