@@ -119,11 +119,14 @@ def _row_offsets(slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr
 
 
 @gluon.jit
-def _convert(x, e):
+def _convert(x, e, SCALED: gl.constexpr):
     """int32 words ``x`` (four e4m3 bytes each, along the last axis) and their UE8M0 scale
     bytes ``e`` (broadcast over the last axis) -> ``[rows, 4 * words]`` bf16: each byte times
-    ``2^(e - 127)`` (exact in bf16; ``cvt.rn.f16x2.e4m3x2`` then fp32)."""
-    scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+    ``2^(e - 127)``, or unscaled when not ``SCALED``.
+    The e4m3 values are exact in bf16 and the scale is a power of two, so the one rounding
+    (``mul.rn.bf16x2``, after ``cvt.rn.f16x2.e4m3x2`` and fp32) is that of the exact product."""
+    e = e.to(gl.int32)
+    scale = gl.where(e == 0, 0x400040, (e << 23) | (e << 7))  # 2^(e - 127) as a bf16 pair (subnormal at 0)
     k0, k1, k2, k3 = gl.inline_asm_elementwise(
         """{
         .reg .b16 lo, hi, a0, a1, b0, b1;
@@ -138,16 +141,14 @@ def _convert(x, e):
         cvt.f32.f16 f1, a1;
         cvt.f32.f16 f2, b0;
         cvt.f32.f16 f3, b1;
-        mul.f32 f0, f0, $5;
-        mul.f32 f1, f1, $5;
-        mul.f32 f2, f2, $5;
-        mul.f32 f3, f3, $5;
-        cvt.rn.bf16.f32 $0, f0;
-        cvt.rn.bf16.f32 $1, f1;
-        cvt.rn.bf16.f32 $2, f2;
-        cvt.rn.bf16.f32 $3, f3;
+        cvt.rn.bf16x2.f32 a, f1, f0;
+        cvt.rn.bf16x2.f32 b, f3, f2;
+        """ + ("""mul.rn.bf16x2 a, a, $5;
+        mul.rn.bf16x2 b, b, $5;
+        """ if SCALED else "") + """mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
         }""",
-        "=h,=h,=h,=h,r,f", [x, scale], (gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        "=h,=h,=h,=h,r,r", [x, scale], (gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
     # byte b of word w is column 4 w + b
     k = gl.join(gl.join(k0, k2), gl.join(k1, k3))
     return gl.reshape(k, [x.shape[0], x.numel // x.shape[0] * 4])
@@ -169,7 +170,7 @@ def _dequantize(src, NB: gl.constexpr, off: gl.constexpr, tile, scales, j0: gl.c
         # the next block's loads go out before this block's store (never overlapping it)
         if j + 1 < j1:
             x_next, e_next = _raw_block(raw, off, scales, j + 1, FMT, BN, LW)
-        tile.slice(64 * j, 64, dim=1).store(_convert(x, e))
+        tile.slice(64 * j, 64, dim=1).store(_convert(x, e, FMT != 1))
         if j + 1 < j1:
             x, e = x_next, e_next
 
