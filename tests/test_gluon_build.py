@@ -3,8 +3,8 @@
 CI has no GPU and Gluon has no interpreter, so without this test an edit that breaks the
 kernel's Hopper build, makes it spill registers or outgrow the H200's shared memory would
 first show up on the device. Triton ships ptxas and cuobjdump, so the whole build (PTX,
-cubin, SASS) runs here, for every format, with the compile-time arguments and options of
-a real launch (:func:`compile_ops.mla.gluon.launch_options`). The build runs in a process
+cubin, SASS) runs here, for every format and both column splits (``dsplit`` 1 and 2), with
+the compile-time arguments and options of a real launch (:func:`compile_ops.mla.gluon.launch_options`). The build runs in a process
 of its own: the tests' process runs Triton in its interpreter (``conftest.py``)."""
 
 import inspect
@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("triton")
 
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41"]
+BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
 
 SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt into on sm_90
 POINTER_TYPES = {
@@ -32,9 +33,9 @@ ONES = ("s_swa_n", "s_cmp_n")
 ALIGNED = ("s_qt", "s_qh", "swa_stride", "cmp_stride")
 
 
-def build_sm90(kv_format):
+def build_sm90(kv_format, dsplit):
     """:func:`gluon._sparse_mla_ws_kernel` compiled for sm_90 as a launch on ``kv_format``
-    caches with power-of-two pages would compile it."""
+    caches with power-of-two pages and ``dsplit`` programs per head block would compile it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -45,7 +46,7 @@ def build_sm90(kv_format):
     from compile_ops.mla import triton as mla_triton
 
     fmt, data, scale_bytes = mla_triton._FORMATS[kv_format]
-    options = gluon.launch_options(fmt, data, scale_bytes, page_shift=True)
+    options = gluon.launch_options(fmt, data, scale_bytes, page_shift=True, dsplit=dsplit)
     num_warps, maxnreg = options.pop("num_warps"), options.pop("maxnreg")
     kernel = gluon._sparse_mla_ws_kernel
     names = list(inspect.signature(kernel.fn).parameters)
@@ -64,9 +65,10 @@ def build_sm90(kv_format):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
 
-def build_report(kv_format):
-    """What the tests check of one format's sm_90 build."""
-    compiled = build_sm90(kv_format)
+def build_report(build):
+    """What the tests check of one ``"kv_format:dsplit"`` sm_90 build."""
+    kv_format, dsplit = build.split(":")
+    compiled = build_sm90(kv_format, int(dsplit))
     sass = compiled.asm["sass"]
     return dict(
         shared=compiled.metadata.shared,
@@ -81,14 +83,14 @@ def reports():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, __file__, *FORMATS], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, __file__, *BUILDS], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("kv_format", FORMATS)
-def test_gluon_kernel_builds_for_sm90_without_spills(kv_format, reports):
-    report = reports[kv_format]
+@pytest.mark.parametrize("build", BUILDS)
+def test_gluon_kernel_builds_for_sm90_without_spills(build, reports):
+    report = reports[build]
     assert report["shared"] <= SM90_SHARED_BYTES, f"{report['shared']} bytes of shared memory"
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
     assert report["wgmma"] > 0  # the products run as wgmma
@@ -96,4 +98,4 @@ def test_gluon_kernel_builds_for_sm90_without_spills(kv_format, reports):
 
 
 if __name__ == "__main__":
-    print(json.dumps({kv_format: build_report(kv_format) for kv_format in sys.argv[1:]}))
+    print(json.dumps({build: build_report(build) for build in sys.argv[1:]}))

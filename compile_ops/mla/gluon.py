@@ -348,9 +348,11 @@ def _softmax(s, b, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
-                   q_ptrs, i_t, i_hb, i_s, span_args, qk_scale, epilogue_args, BN: gl.constexpr, STAGES: gl.constexpr):
+                   q_ptrs, i_t, i_hb, i_s, c_left, span_args, qk_scale, epilogue_args,
+                   BN: gl.constexpr, STAGES: gl.constexpr, NCB: gl.constexpr):
     """Warpgroup 0: ``S = Q K^T`` for the whole block (``wgmma`` m64n64, reading Q once), the
-    softmax, and ``O[:, :256] += P K[:, :256]`` with ``P`` from registers; hands ``P`` and the
+    softmax, and ``O += P K`` for the ``NCB`` output column blocks from ``c_left`` on (the
+    left half of the program's columns) with ``P`` from registers; hands ``P`` and the
     rescale factor to :func:`_consumer_right` through shared memory, and the final row max
     and sum after the last block; then stores its four output column blocks and the LSE
     (:func:`_epilogue`) here, not after ``warp_specialize``, which returns only once every
@@ -368,7 +370,8 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    o = (gl.zeros([64, 64], gl.float32, O_L), ) * 4
+    chunks = _column_blocks(kbuf, BN, STAGES)
+    o = (gl.zeros([64, 64], gl.float32, O_L), ) * NCB
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_L))
     for i in range(n):
@@ -384,7 +387,8 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
         p, alpha, m_i, l_i = _softmax(s, bias.index(st).load(gl.SliceLayout(0, S_L)), m_i, l_i, qk_scale)
         # this half's P K goes out first and runs while P is handed over (bf16 / fp8 3-4 %
         # faster at H = 128, with the rescales in _pv_async)
-        o = _pv_async(gl.convert_layout(p, P_L), gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), tile, 0, o)
+        o = _pv_async(gl.convert_layout(p, P_L), gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), chunks,
+                      st * 8 + c_left, o, NCB)
         mbarrier.wait(p_free, (i & 1) ^ 1, pred=i > 0)  # the right half has used P of block i - 1
         p_smem.store(p)
         alpha_smem.store(alpha)
@@ -400,13 +404,15 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
     m_i = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
     l_i = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
     # Q's buffer: no longer read (the last S = Q K^T has been waited for)
-    _epilogue(o, m_i, l_i, 0, True, i_t, i_hb, i_s, epilogue_args, q_smem)
+    _epilogue(o, m_i, l_i, 64 * c_left, i_t, i_hb, i_s, epilogue_args, q_smem, NCB)
 
 
 @gluon.jit
 def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
-                    i_t, i_hb, i_s, span_args, epilogue_args, BN: gl.constexpr, STAGES: gl.constexpr):
-    """Warpgroup 1: ``O[:, 256:] += P K[:, 256:]`` with :func:`_consumer_left`'s ``P`` (loaded
+                    i_t, i_hb, i_s, c_right, span_args, epilogue_args,
+                    BN: gl.constexpr, STAGES: gl.constexpr, NCB: gl.constexpr):
+    """Warpgroup 1: ``O += P K`` for the ``NCB`` output column blocks from ``c_right`` on (the
+    right half of the program's columns) with :func:`_consumer_left`'s ``P`` (loaded
     into registers, which frees ``p_smem`` before the product) and rescale factor, then
     stores its four output column blocks (:func:`_epilogue`)."""
     swa_len, cmp_len, W, K, n_split = span_args
@@ -414,7 +420,8 @@ def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, f
     n = i_b1 - i_b0
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    o = (gl.zeros([64, 64], gl.float32, O_L), ) * 4
+    chunks = _column_blocks(kbuf, BN, STAGES)
+    o = (gl.zeros([64, 64], gl.float32, O_L), ) * NCB
     for i in range(n):
         st = i % STAGES
         mbarrier.wait(p_ready, i & 1)
@@ -422,7 +429,7 @@ def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, f
         alpha = alpha_smem.load(gl.SliceLayout(1, O_L))
         gl.thread_barrier()
         mbarrier.arrive(p_free, count=1)
-        o = _pv_async(p, alpha, kbuf.index(st), 4, o)
+        o = _pv_async(p, alpha, chunks, st * 8 + c_right, o, NCB)
         o = warpgroup_mma_wait(num_outstanding=0, deps=o)
         gl.thread_barrier()
         mbarrier.arrive(empty.index(st), count=1)
@@ -430,30 +437,39 @@ def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, f
     m_i = ml_smem.index(0).load(gl.SliceLayout(1, O_L))
     l_i = ml_smem.index(1).load(gl.SliceLayout(1, O_L))
     # a key tile: every product has been waited for (warpgroup 0's before it arrived `fin`)
-    _epilogue(o, m_i, l_i, 256, False, i_t, i_hb, i_s, epilogue_args, kbuf.index(0))
+    _epilogue(o, m_i, l_i, 64 * c_right, i_t, i_hb, i_s, epilogue_args, kbuf.index(0), NCB)
 
 
 @gluon.jit
-def _pv_async(p, alpha, tile, c0: gl.constexpr, o):
-    """``o[c] = o[c] * alpha + P K[:, 64 (c0 + c) ..]`` for the four output column blocks
-    ``o`` (``wgmma`` m64n64; ``P`` from registers or shared memory), issued: returns the
-    products in flight, for ``warpgroup_mma_wait``."""
-    # all four rescales before the first product: interleaved with them, ptxas waited for
-    # the products in flight before each rescale (C7517), which serialized the four
-    o0, o1, o2, o3 = o[0] * alpha[:, None], o[1] * alpha[:, None], o[2] * alpha[:, None], o[3] * alpha[:, None]
-    o0 = warpgroup_mma(p, tile.slice(64 * c0, 64, dim=1), o0, is_async=True)
-    o1 = warpgroup_mma(p, tile.slice(64 * c0 + 64, 64, dim=1), o1, is_async=True)
-    o2 = warpgroup_mma(p, tile.slice(64 * c0 + 128, 64, dim=1), o2, is_async=True)
-    o3 = warpgroup_mma(p, tile.slice(64 * c0 + 192, 64, dim=1), o3, is_async=True)
-    return o0, o1, o2, o3
+def _column_blocks(kbuf, BN: gl.constexpr, STAGES: gl.constexpr):
+    """The key tiles as ``[STAGES * 8, BN, 64]``: column block ``c`` of stage ``st`` is
+    ``index(8 st + c)``, indexable at run time (an NVMMA tile of 512 columns lies in memory
+    as eight 64-column tiles, 8 KB apart)."""
+    return kbuf._reinterpret(gl.bfloat16, [STAGES * 8, BN, 64], gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16))
 
 
 @gluon.jit
-def _epilogue(o, m_i, l_i, c0, WRITE_LSE: gl.constexpr, i_t, i_hb, i_s, epilogue_args, buf):
-    """Store output columns ``[c0, c0 + 256)`` of this program (the four column blocks ``o``):
-    normalised output and base-2 LSE (``-inf`` when it saw nothing) into the partials; with
-    one split, fold the sink in and write ``out`` and ``lse`` directly. Only the
-    ``WRITE_LSE`` caller writes the LSE. The bf16 output goes through ``buf`` (shared memory
+def _pv_async(p, alpha, chunks, c0, o, NCB: gl.constexpr):
+    """``o[c] = o[c] * alpha + P K[:, 64 c ..]`` for the ``NCB`` output column blocks ``o``,
+    K's column block ``c`` being ``chunks.index(c0 + c)`` (``wgmma`` m64n64; ``P`` from
+    registers), issued: returns the products in flight, for ``warpgroup_mma_wait``."""
+    # all rescales before the first product: interleaved with them, ptxas waited for the
+    # products in flight before each rescale (C7517), which serialized them
+    scaled = ()
+    for c in gl.static_range(NCB):
+        scaled = scaled + (o[c] * alpha[:, None], )
+    res = ()
+    for c in gl.static_range(NCB):
+        res = res + (warpgroup_mma(p, chunks.index(c0 + c), scaled[c], is_async=True), )
+    return res
+
+
+@gluon.jit
+def _epilogue(o, m_i, l_i, c0, i_t, i_hb, i_s, epilogue_args, buf, NCB: gl.constexpr):
+    """Store output columns ``[c0, c0 + 64 NCB)`` of this program (the ``NCB`` column blocks
+    ``o``): normalised output and base-2 LSE (``-inf`` when it saw nothing) into the
+    partials; with one split, fold the sink in and write ``out`` and ``lse`` directly. The
+    caller with column 0 writes the LSE. The bf16 output goes through ``buf`` (shared memory
     no one reads any more) so that each warp writes whole rows: straight from the ``wgmma``
     layout a warp instruction writes 16 bytes in each of eight rows (H200: T=512 8-12 %
     slower in bf16, 3-9 % in fp8_ds_mla). The fp32 partials are stored straight: 32 bytes
@@ -471,24 +487,22 @@ def _epilogue(o, m_i, l_i, c0, WRITE_LSE: gl.constexpr, i_t, i_hb, i_s, epilogue
         mx = gl.where(mx == float("-inf"), 0.0, mx)
         lse_all = mx + gl.log2(gl.exp2(lse_p - mx) + gl.exp2(sk - mx))
         w = gl.where(lse_all == float("-inf"), 0.0, gl.exp2(lse_p - lse_all))
-        rows_bf16 = buf._reinterpret(gl.bfloat16, [64, 256], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
-        for c in gl.static_range(4):
+        rows_bf16 = buf._reinterpret(gl.bfloat16, [64, 64 * NCB], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+        for c in gl.static_range(NCB):
             rows_bf16.slice(64 * c, 64, dim=1).store((o[c] * scale[:, None] * w[:, None]).to(gl.bfloat16))
-        if WRITE_LSE:
-            gl.store(lse + i_t * H + o_h, lse_all, mask=m_h)
+        gl.store(lse + i_t * H + o_h, lse_all, mask=m_h & (c0 == 0))
         gl.thread_barrier()
         L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # a row per warp instruction
         r_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, L))
-        r_v = c0 + gl.arange(0, 256, gl.SliceLayout(0, L))
+        r_v = c0 + gl.arange(0, 64 * NCB, gl.SliceLayout(0, L))
         gl.store(out + (i_t * H + r_h[:, None]) * 512 + r_v[None, :], rows_bf16.load(L), mask=(r_h < H)[:, None])
     else:  # fp32 straight from the wgmma layout: 32 bytes per row and warp instruction
         o_row = (i_s * T + i_t) * H + o_h
         o_v = gl.arange(0, 64, gl.SliceLayout(0, O_L))
-        for c in gl.static_range(4):
+        for c in gl.static_range(NCB):
             gl.store(part_o + o_row[:, None] * 512 + (c0 + 64 * c + o_v)[None, :], o[c] * scale[:, None],
                      mask=m_h[:, None])
-        if WRITE_LSE:
-            gl.store(part_lse + o_row, lse_p, mask=m_h)
+        gl.store(part_lse + o_row, lse_p, mask=m_h & (c0 == 0))
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED)
@@ -499,9 +513,13 @@ def _sparse_mla_ws_kernel(
     s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
     FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-    BN: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, RIGHT_REGS: gl.constexpr,
+    BN: gl.constexpr, STAGES: gl.constexpr, DSPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    RIGHT_REGS: gl.constexpr,
 ):
-    """Grid ``(T * ceil(H / 64), n_split)``; arguments as ``triton._sparse_mla_kernel``'s."""
+    """Grid ``(T * ceil(H / 64) * DSPLIT, n_split)``; arguments as ``triton._sparse_mla_kernel``'s.
+    With ``DSPLIT = 2`` two programs share a (token, head block, split), each gathering the
+    whole rows (``S`` needs all 512 columns) but computing and storing only its 256 output
+    columns: half the ``P K`` and half the stores on each program's path (small T)."""
     # let the LSE merge (a programmatic dependent launch) start now: it waits for this grid
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                               pack=1)
@@ -509,7 +527,11 @@ def _sparse_mla_ws_kernel(
     kv_scale = kv_scale.to(gl.float32)
     i_p, i_s = gl.program_id(0), gl.program_id(1)
     n_hb = gl.cdiv(H, 64)
+    i_d = i_p % DSPLIT
+    i_p = i_p // DSPLIT
     i_t, i_hb = i_p // n_hb, i_p % n_hb
+    NCB: gl.constexpr = 4 // DSPLIT  # output column blocks per consumer warpgroup
+    c_left = i_d * (2 * NCB)
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
     k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.bfloat16)
@@ -551,28 +573,29 @@ def _sparse_mla_ws_kernel(
     epilogue_args = (out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale)
     gl.warp_specialize([
         (_consumer_left, (q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty, p_ready, p_free, fin,
-                          q_ptrs, i_t, i_hb, i_s, span_args, qk_scale, epilogue_args, BN, STAGES)),
+                          q_ptrs, i_t, i_hb, i_s, c_left, span_args, qk_scale, epilogue_args, BN, STAGES, NCB)),
         (_consumer_right, (kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
-                           i_t, i_hb, i_s, span_args, epilogue_args, BN, STAGES)),
+                           i_t, i_hb, i_s, c_left + NCB, span_args, epilogue_args, BN, STAGES, NCB)),
         (_producer, (kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
                      FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES)),
     ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
 
 
-def launch_options(fmt: int, data: int, scale_bytes: int, page_shift: bool) -> dict:
+def launch_options(fmt: int, data: int, scale_bytes: int, page_shift: bool, dsplit: int) -> dict:
     """Every :func:`_sparse_mla_ws_kernel` launch's compile-time arguments and options
-    (``num_warps``, ``maxnreg``) for a format code and its row layout."""
+    (``num_warps``, ``maxnreg``) for a format code, its row layout and ``dsplit`` (1 or 2
+    programs per head block)."""
     return dict(
         FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
-        BN=BN, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS, RIGHT_REGS=RIGHT_REGS,
+        BN=BN, STAGES=STAGES, DSPLIT=dsplit, PRODUCER_REGS=PRODUCER_REGS, RIGHT_REGS=RIGHT_REGS,
         num_warps=4, maxnreg=MAX_REGS,
     )
 
 
-def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift: bool) -> None:
+def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift: bool, dsplit: int) -> None:
     """Launch :func:`_sparse_mla_ws_kernel` with the ``tl`` kernel's arguments (see
     :func:`compile_ops.mla.triton.sparse_mla_triton`, which validates and prepares them)."""
-    _sparse_mla_ws_kernel[grid](*launch_args, **launch_options(fmt, data, scale_bytes, page_shift))
+    _sparse_mla_ws_kernel[grid](*launch_args, **launch_options(fmt, data, scale_bytes, page_shift, dsplit))
 
 
 def sparse_mla_gluon(*args) -> None:

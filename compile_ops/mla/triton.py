@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -72,7 +72,8 @@ class Config:
     owning ``512 / dsplit`` output columns), warps and software-pipelining stages.
 
     ``gluon=True`` runs the warp-specialized kernel of :mod:`compile_ops.mla.gluon` instead
-    (sm_90 only; its shape is fixed there: ``bn`` 64, ``dsplit`` 1, 8 + 4 warps)."""
+    (sm_90 only; its shape is fixed there: ``bn`` 64, 8 + 4 warps; ``dsplit`` 1 or 2, and
+    :func:`sparse_mla_triton` makes it 2 while that still leaves one block per program)."""
 
     bn: int = 64
     dsplit: int = 1
@@ -390,6 +391,10 @@ def sparse_mla_triton(
     else:
         buf = scratch(q.device)
         num_sms, rows = buf.num_sms, buf.rows
+    if cfg.gluon and not traced and T * triton.cdiv(H, BH) * 2 * (triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn)) <= num_sms:
+        # few programs (small T): two per head block, each storing half the columns, and
+        # still one block each (H200, T = 1: 1.4 us faster at H=64/K=512)
+        cfg = replace(cfg, dsplit=2)
     if n_split is None:
         n_split = choose_split(T, H, W, K, cfg, num_sms, rows)
     else:
@@ -425,7 +430,7 @@ def sparse_mla_triton(
             raise RuntimeError("the Gluon kernel runs eagerly on sm_90 only: not traced, not interpreted")
         from compile_ops.mla import gluon
 
-        gluon.launch(grid, launch_args, fmt, data, scale_bytes, page_shift)
+        gluon.launch(grid, launch_args, fmt, data, scale_bytes, page_shift, cfg.dsplit)
     else:
         launchable(_sparse_mla_kernel, q)[grid](
             *launch_args,
