@@ -329,12 +329,15 @@ def report(rows, out_dir):
         print("matplotlib missing: no plot")
         return
     shapes = sorted({(r["H"], r["K"]) for r in rows})
+    impls = sorted({r["impl"] for r in rows}, key=lambda i: (not _is_ours(i), i))
+    styles = ["-", "--", ":", "-.", (0, (5, 1, 1, 1))]  # one per implementation, one colour per format
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4), squeeze=False)
     for ax, (H, K) in zip(axes[0], shapes):
         for impl, fmt in sorted({(r["impl"], r["kv_format"]) for r in rows}):
             pts = sorted((r["T"], r["tflops"]) for r in rows if (r["H"], r["K"], r["impl"], r["kv_format"]) == (H, K, impl, fmt))
             label = f"ours {impl} {fmt}" if _is_ours(impl) else f"{impl} {fmt}"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label,
+                    color=f"C{FORMATS.index(fmt)}", linestyle=styles[impls.index(impl) % len(styles)])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("T (tokens)")
         ax.set_ylabel("TFLOP/s")

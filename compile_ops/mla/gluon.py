@@ -6,14 +6,15 @@ inline, and the fallback off sm_90 or for caches whose rows are not 16-byte alig
 the schedule on the SM differs. One program owns one token, 64 heads and a range of 64-row
 blocks (SWA blocks first), and runs three warpgroups:
 
-* a **producer** warpgroup (4 warps, 112-120 registers) fills a ring of two bf16 key tiles
+* a **producer** warpgroup (4 warps, 112 registers) fills a ring of two bf16 key tiles
   in shared memory. ``bf16`` rows go by ``cp.async`` straight into the MMA layout and
   ``ready``'s phase waits for them (the producer never does), so two blocks can be in
   flight. The fp8 formats' raw bytes of columns 0..255 go by ``cp.async`` into a 16 KB
   staging buffer while the previous block is converted, the rest (and ``fp8_ds_mla``'s
   bf16 RoPE columns) into the tile once it is free; the producer converts the staged
   columns into the tile while the rest lands, then the rest in place, 64 columns at a
-  time (``cvt.rn.f16x2.e4m3x2`` times the UE8M0 scale, exact in bf16), and signals
+  time (``cvt.rn.f16x2.e4m3x2``, then one ``mul.rn.bf16x2`` by the UE8M0 scale per two
+  values, exact), and signals
   ``ready``. Every block's slots are loaded two blocks ahead, so no copy waits for an
   index load; each row's score bias (0, or ``-inf`` for a hole) goes next to the tile;
 * consumer **warpgroup 0** (the default partition) computes the whole ``S = Q K^T`` of a block
@@ -27,7 +28,9 @@ blocks (SWA blocks first), and runs three warpgroups:
   (``empty``) after its own product. Every product runs per 64-column block (m64n64:
   ``Q K^T`` as eight chained steps, each half of ``P K`` as four accumulators), which
   made ``bf16`` 6-10 % faster than m64n256 / m64n128 products (fp8 formats unchanged).
-  Each warpgroup stores its own half of the output at the end.
+  Each warpgroup stores its own half of the output at the end; bf16 output goes through
+  shared memory that is no longer read (Q's buffer, a key tile), so that every warp
+  instruction writes a whole row (H200: 5-12 % faster at T >= 128).
 
 So the gather and dequantization of block ``i + 1`` run on the producer's warps while the
 tensor cores work on block ``i`` (FlashMLA's SM90 sparse decoding splits its warps the same
@@ -35,7 +38,9 @@ way; Triton's Gluon tutorials show the ``warp_specialize`` / ``mbarrier`` idiom)
 memory holds Q (64 KB), the two tiles (128 KB), P (8 KB) and for the fp8 formats the 16 KB
 staging buffer: a third key tile does not fit, which bounds the ``bf16`` gather to at most two
 64 KB blocks in flight per SM. After a split-K launch the LSE merge starts as a programmatic dependent
-launch that waits on the device for this kernel. Measured on the H200 in
+launch that waits on the device for this kernel. With few programs (small T) two programs
+share each (token, head block, split), each computing and storing 256 of the 512 output
+columns (``DSPLIT = 2``, chosen by the host). Measured on the H200 in
 ``docs/performance-sparse-mla.md``; the design log is ``docs/notes-sparse-mla.md``.
 """
 
