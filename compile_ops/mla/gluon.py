@@ -359,7 +359,7 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
     softmax, and ``O += P K`` for the ``NCB`` output column blocks from ``c_left`` on (the
     left half of the program's columns) with ``P`` from registers; hands ``P`` and the
     rescale factor to :func:`_consumer_right` through shared memory, and the final row max
-    and sum after the last block; then stores its four output column blocks and the LSE
+    and sum after the last block; then stores its output column blocks and the LSE
     (:func:`_epilogue`) here, not after ``warp_specialize``, which returns only once every
     partition has finished: so both halves' stores overlap (T = 1: 0.6-0.7 us)."""
     swa_len, cmp_len, W, K, n_split = span_args
@@ -419,7 +419,7 @@ def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, f
     """Warpgroup 1: ``O += P K`` for the ``NCB`` output column blocks from ``c_right`` on (the
     right half of the program's columns) with :func:`_consumer_left`'s ``P`` (loaded
     into registers, which frees ``p_smem`` before the product) and rescale factor, then
-    stores its four output column blocks (:func:`_epilogue`)."""
+    stores its output column blocks (:func:`_epilogue`)."""
     swa_len, cmp_len, W, K, n_split = span_args
     _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
@@ -476,8 +476,8 @@ def _epilogue(o, m_i, l_i, c0, i_t, i_hb, i_s, epilogue_args, buf, NCB: gl.const
     partials; with one split, fold the sink in and write ``out`` and ``lse`` directly. The
     caller with column 0 writes the LSE. The bf16 output goes through ``buf`` (shared memory
     no one reads any more) so that each warp writes whole rows: straight from the ``wgmma``
-    layout a warp instruction writes 16 bytes in each of eight rows (H200: T=512 8-12 %
-    slower in bf16, 3-9 % in fp8_ds_mla). The fp32 partials are stored straight: 32 bytes
+    layout a warp instruction writes 16 bytes in each of eight rows (H200, T=512: 9-12 %
+    slower in bf16, 6-10 % in fp8_ds_mla). The fp32 partials are stored straight: 32 bytes
     per row, and the round trip through shared memory cost 0.5-0.9 us at T = 1."""
     out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale = epilogue_args
     O_L: gl.constexpr = o[0].type.layout
