@@ -32,7 +32,7 @@ Limits (H200 numbers and the reasons in ``docs/performance-sparse-mla.md`` and
 from shared memory; the fp8 formats add ~600 dequantization instructions per thread and
 64-row block. Result: 0.3-0.7x FlashMLA's fp8_ds_mla time. On sm_90 the warp-specialized
 Gluon kernel (:mod:`compile_ops.mla.gluon`, backend ``"gluon"``, ``Config(gluon=True)``)
-reuses this host side and is 1.3-3.2x faster; this kernel stays the portable one, the one
+reuses this host side and is 1.3-3.5x faster; this kernel stays the portable one, the one
 Inductor inlines, and the interpreter twin the CPU tests run.
 """
 
@@ -321,12 +321,11 @@ def scratch(device: torch.device) -> _Scratch:
     return _SCRATCH[device]
 
 
-def choose_split(T: int, H: int, W: int, K: int, cfg: Config, num_sms: int, rows: int) -> int:
+def choose_split(T: int, H: int, blocks: int, cfg: Config, num_sms: int, rows: int) -> int:
     """Programs per (token, head block, column half): enough to fill ``num_sms``, at most one
-    per block of ``bn`` entries; 1 once ``T`` alone fills the GPU. A symbolic ``T`` (a traced
+    per block of ``bn`` entries (``blocks`` of them per token); 1 once ``T`` alone fills the GPU. A symbolic ``T`` (a traced
     launch, see :func:`_kernel`) gives a symbolic count and adds no guard."""
     progs = T * triton.cdiv(H, BH) * cfg.dsplit
-    blocks = triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn)
     return torch.sym_max(1, torch.sym_min(blocks, torch.sym_min(num_sms // progs, rows // (T * H))))
 
 
@@ -391,12 +390,13 @@ def sparse_mla_triton(
     else:
         buf = scratch(q.device)
         num_sms, rows = buf.num_sms, buf.rows
-    if cfg.gluon and not traced and T * triton.cdiv(H, BH) * 2 * (triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn)) <= num_sms:
+    blocks = triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn)  # of bn entries, per token
+    if cfg.gluon and not traced and T * triton.cdiv(H, BH) * 2 * blocks <= num_sms:
         # few programs (small T): two per head block, each storing half the columns, and
         # still one block each (H200, T = 1: 1.4 us faster at H=64/K=512)
         cfg = replace(cfg, dsplit=2)
     if n_split is None:
-        n_split = choose_split(T, H, W, K, cfg, num_sms, rows)
+        n_split = choose_split(T, H, blocks, cfg, num_sms, rows)
     else:
         n_split = max(1, min(int(n_split), rows // (T * H)))
     if traced:
@@ -412,7 +412,7 @@ def sparse_mla_triton(
     if page_shift:
         pages = tuple(p.bit_length() - 1 for p in pages)
     kv_mul = float(kv_scale) if fmt == 1 else 1.0  # fp8: scores and output carry kv_scale
-    iters = triton.cdiv(triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn), n_split) + 1 if INTERPRET else 0
+    iters = triton.cdiv(blocks, n_split) + 1 if INTERPRET else 0
     # without a sink the kernels get a never-read fp32 pointer that no output aliases
     no_sink = part_lse
     launch_args = (
@@ -443,7 +443,7 @@ def sparse_mla_triton(
             return
         nsp, combine_rows = triton.next_power_of_2(n_split), T * H
     else:  # symbolic (traced, dynamic T): no guard on n_split; an empty grid when it is 1
-        nsp = triton.next_power_of_2(triton.cdiv(W, cfg.bn) + triton.cdiv(K, cfg.bn))
+        nsp = triton.next_power_of_2(blocks)
         combine_rows = T * H * torch.sym_min(n_split - 1, 1)
     dc = max(16, min(512, 8192 // nsp))  # at most 64 partial values per thread, short of huge K
     # after the Gluon kernel (eager, sm_90) the merge launches while that kernel still runs
