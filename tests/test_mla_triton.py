@@ -161,7 +161,7 @@ CPU_CASES = [
     ("fp8_ds_mla", 3, 4, 20, 70, 256, "finite", 0, None, SPLIT2),
     ("fp8_dsv41", 2, 16, 33, None, 2, "none", 0, 1, SPLIT2),
     ("fp8", 1, 1, 5, 5, 1, "finite", 0, 1, SPLIT2),
-    ("bf16", 1, 2, 8, 200, 16, "finite", 0, 40, None),  # 40 partials, most empty: 4 merge programs per row
+    ("bf16", 1, 2, 8, 200, 16, "finite", 0, 40, None),  # 40 partials, most empty: the merge sums four chunks of 16
 ]
 
 

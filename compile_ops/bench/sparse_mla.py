@@ -149,7 +149,7 @@ def main(argv=None):
     Ts = [int(t) for t in args.T.split(",") if t]
     ref_Ts = {int(t) for t in args.ref_T.split(",") if t}
     profile_Ts = {int(t) for t in args.profile_T.split(",") if t}
-    kernel_rows = []
+    kernel_rows, profile_jobs = [], []
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     impls = []  # (name, backend, config): our op per backend, then the tl kernel per extra config
@@ -193,10 +193,11 @@ def main(argv=None):
     def flashmla(a, sched):
         q, si, sl, ci, cl = a
         T, H = q.shape[:2]
+        swa_c, cmp_c, sink_ = swa["fp8_ds_mla"], cmp["fp8_ds_mla"], sink  # this shape's, not the last one's
         return lambda: flash_mla.flash_mla_with_kvcache(
-            q.view(T, 1, H, 512), cmp["fp8_ds_mla"].unsqueeze(2), None, None, 512, sched,
-            softmax_scale=sm_scale, is_fp8_kvcache=True, indices=ci.view(T, 1, -1), attn_sink=sink,
-            extra_k_cache=swa["fp8_ds_mla"].unsqueeze(2), extra_indices_in_kvcache=si.view(T, 1, W),
+            q.view(T, 1, H, 512), cmp_c.unsqueeze(2), None, None, 512, sched,
+            softmax_scale=sm_scale, is_fp8_kvcache=True, indices=ci.view(T, 1, -1), attn_sink=sink_,
+            extra_k_cache=swa_c.unsqueeze(2), extra_indices_in_kvcache=si.view(T, 1, W),
             topk_length=cl, extra_topk_length=sl, use_legacy=True,
         )
 
@@ -234,9 +235,7 @@ def main(argv=None):
                 if flash_mla is not None and "fp8_ds_mla" in formats:
                     sched, _ = flash_mla.get_mla_metadata()
                     fns.append(("flashmla fp8_ds_mla", flashmla(sets[0], sched)))
-                for impl, fn in fns:
-                    for kernel, us in kernel_times(fn).items():
-                        kernel_rows.append(dict(H=H, K=K, T=T, impl=impl, kernel=kernel[:80], us=round(us, 2)))
+                profile_jobs.append((H, K, T, fns))
             if T in ref_Ts and "bf16" in formats:
                 q, si, sl, ci, cl = sets[0]
                 t0 = time.perf_counter()
@@ -256,6 +255,12 @@ def main(argv=None):
                 rows.append(dict(H=H, K=K, T=T, impl="torch.compile(reference)", kv_format="bf16", us=us, compile_s=round(compile_s, 1)))
             bar.update(1)
     bar.close()
+    # profiled last: once torch.profiler has run, every later graph replay of a small call
+    # takes ~1-2 us longer (H200, T = 1)
+    for H, K, T, fns in profile_jobs:
+        for impl, fn in fns:
+            for kernel, us in kernel_times(fn).items():
+                kernel_rows.append(dict(H=H, K=K, T=T, impl=impl, kernel=kernel[:80], us=round(us, 2)))
     for r in rows:
         flops, kv_bytes, roof = roofline(r["T"], r["H"], r["K"], bpt[r["kv_format"]])
         r["tflops"] = flops / r["us"] / 1e6

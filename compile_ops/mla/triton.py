@@ -251,37 +251,45 @@ def _sparse_mla_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "H", "n_split", "has_sink"])
-def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, NSP: tl.constexpr, DC: tl.constexpr,
+def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, NSP: tl.constexpr, NSC: tl.constexpr,
                     PDL: tl.constexpr):
-    """Merge the ``n_split`` partials ``(o_r, L_r)`` of one (token, head) and its sink, over
-    output columns ``[DC * program_id(1), + DC)``: ``L = log2(sum_r 2^L_r + 2^sink)``,
-    ``out = sum_r 2^(L_r - L) o_r``. All partials are loaded at once (``NSP >= n_split``), so
-    a program pays one memory latency, not n_split. A row's columns take one program while
-    ``NSP * 512`` values fit in its registers, else several (H200, measured alone: one pass
-    over 512 columns beats a loop over column chunks, 1.9 vs 2.9 us at T = 1, H = 64, and
-    beats slicing the columns over more programs whenever T * H is large). ``PDL``: launched
-    as a programmatic dependent of the Gluon kernel, it waits here for that kernel's partials."""
+    """Merge the ``n_split`` partials ``(o_r, L_r)`` of one (token, head) and its sink:
+    ``L = log2(sum_r 2^L_r + 2^sink)``, ``out = sum_r 2^(L_r - L) o_r``, one program per row.
+    Its four warps lie side by side over the 512 columns, so the sum over partials stays
+    inside each thread, and the partials come in chunks of ``NSC`` rows (``NSP``, a power of
+    two >= n_split, in all), the first one loaded before the LSEs' maximum is taken: the
+    program pays about one memory latency (H200, T = 1, H = 128: a sum across warps, or
+    16-row chunks, were 0.4-0.7 us slower). ``PDL``: launched as a programmatic dependent of
+    the Gluon kernel, it waits here for that kernel's partials."""
     if PDL:
         gdc_wait()
-    i_th, i_c = tl.program_id(0), tl.program_id(1)
+    i_th = tl.program_id(0)
     i_t, i_h = i_th // H, i_th % H
+    o_d = tl.arange(0, 512)
     o_s = tl.arange(0, NSP)
     m_s = o_s < n_split
-    o_row = (o_s * T + i_t) * H + i_h
     # [NSP]
-    b_lse = tl.load(part_lse + o_row, mask=m_s, other=float("-inf"))
+    b_lse = tl.load(part_lse + (o_s * T + i_t) * H + i_h, mask=m_s, other=float("-inf"))
+    o_c = tl.arange(0, NSC)
+    # [NSC, 512]
+    b_o = tl.load(part_o + ((o_c * T + i_t) * H + i_h)[:, None] * 512 + o_d[None, :], mask=(o_c < n_split)[:, None], other=0.0)
     b_sink = tl.load(sink + i_h + o_s * 0, mask=(o_s == 0) & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
     b_max = tl.max(tl.maximum(b_lse, b_sink), 0)
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
-    b_w = tl.math.exp2(b_lse - b_max)
-    b_den = tl.sum(b_w + tl.math.exp2(b_sink - b_max), 0)
-    b_w = tl.where(b_den > 0, b_w / b_den, 0.0)
-    o_d = i_c * DC + tl.arange(0, DC)
-    # [NSP, DC]
-    b_o = tl.load(part_o + o_row[:, None] * 512 + o_d[None, :], mask=m_s[:, None], other=0.0)
-    tl.store(out + i_th * 512 + o_d, tl.sum(b_w[:, None] * b_o, 0).to(tl.bfloat16))
-    if i_c == 0:
-        tl.store(lse + i_th, b_max + tl.log2(b_den))
+    b_den = tl.sum(tl.math.exp2(b_lse - b_max) + tl.math.exp2(b_sink - b_max), 0)
+    b_scale = tl.where(b_den > 0, 1.0 / b_den, 0.0)
+    b_out = tl.zeros([512], dtype=tl.float32)
+    for s0 in tl.static_range(0, NSP, NSC):
+        o_c = s0 + tl.arange(0, NSC)
+        m_c = o_c < n_split
+        o_row = (o_c * T + i_t) * H + i_h
+        if s0 > 0:
+            b_o = tl.load(part_o + o_row[:, None] * 512 + o_d[None, :], mask=m_c[:, None], other=0.0)
+        # [NSC]
+        b_w = tl.math.exp2(tl.load(part_lse + o_row, mask=m_c, other=float("-inf")) - b_max) * b_scale
+        b_out += tl.sum(b_w[:, None] * b_o, 0)
+    tl.store(out + i_th * 512 + o_d, b_out.to(tl.bfloat16))
+    tl.store(lse + i_th, b_max + tl.log2(b_den))
 
 
 class _Scratch:
@@ -445,11 +453,10 @@ def sparse_mla_triton(
     else:  # symbolic (traced, dynamic T): no guard on n_split; an empty grid when it is 1
         nsp = triton.next_power_of_2(blocks)
         combine_rows = T * H * torch.sym_min(n_split - 1, 1)
-    dc = max(16, min(512, 8192 // nsp))  # at most 64 partial values per thread, short of huge K
     # after the Gluon kernel (eager, sm_90) the merge launches while that kernel still runs
     # (it triggers its dependents at its start) and waits on the device, not on a launch
     pdl = dict(launch_pdl=True) if cfg.gluon else {}
-    launchable(_combine_kernel, q)[(combine_rows, 512 // dc)](
+    launchable(_combine_kernel, q)[(combine_rows,)](
         part_o, part_lse, sink if sink is not None else no_sink, out, lse,
-        T, H, n_split, int(sink is not None), NSP=nsp, DC=dc, PDL=cfg.gluon, num_warps=4, **pdl,
+        T, H, n_split, int(sink is not None), NSP=nsp, NSC=min(nsp, 32), PDL=cfg.gluon, num_warps=4, **pdl,
     )
