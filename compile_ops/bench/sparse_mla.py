@@ -16,8 +16,8 @@ microseconds, TFLOP/s (``4 T H A 512``, ``A = 128 + K`` attended entries), GB/s 
 and % of roofline ``max(flops / 790e12, bytes / 4.3e12)`` (bytes: KV rows + indices + q,
 out and lse, each once). Writes ``sparse_mla.csv``, ``sparse_mla.md`` and ``sparse_mla.png``
 to ``--out``. ``--profile-T`` adds, for those T, each kernel's device time per call (ours
-and FlashMLA's, from ``torch.profiler`` over eager calls) to ``sparse_mla_kernels.csv``:
-where a call's time goes when it is latency-bound.
+and FlashMLA's, from ``torch.profiler`` over eager calls, once every case is timed) to
+``sparse_mla_kernels.csv``: where a call's time goes when it is latency-bound.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def main(argv=None):
             bar.update(1)
     bar.close()
     # profiled last: once torch.profiler has run, every later graph replay of a small call
-    # takes ~1-2 us longer (H200, T = 1)
+    # takes 0.6-1.2 us longer (H200, T = 1)
     for H, K, T, fns in profile_jobs:
         for impl, fn in fns:
             for kernel, us in kernel_times(fn).items():
