@@ -11,7 +11,11 @@ than L2, it times:
 
 GPU work is timed by CUDA-graph replay: ``--calls`` calls (cycling over ``--sets`` input sets
 so that consecutive calls read different rows) are captured once, the graph is replayed
-``--reps`` times and the median replay is divided by ``--calls``. Reported per case:
+``--reps`` times and the median replay is divided by ``--calls``. Each timing starts after
+``--settle`` idle seconds: after a heavy case the H200 caps its power (``nvidia-smi``: SW
+power cap, SM clock down to 1740 MHz) and the next case runs slower for about a second
+(H=128 T=512 fp8_ds_mla: 365-373 us alone, 394-422 right after bf16), so back-to-back
+timings would favour whatever follows a light case. Reported per case:
 microseconds, TFLOP/s (``4 T H A 512``, ``A = 128 + K`` attended entries), GB/s of KV rows,
 and % of roofline ``max(flops / 790e12, bytes / 4.3e12)`` (bytes: KV rows + indices + q,
 out and lse, each once). Writes ``sparse_mla.csv``, ``sparse_mla.md`` and ``sparse_mla.png``
@@ -48,14 +52,17 @@ def parse(argv):
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--sets", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="idle seconds before each timed case (0: back to back; see the module doc)")
     p.add_argument("--profile-T", default="", help="T at which to list per-kernel device times ('' = none)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="bench-out")
     return p.parse_args(argv)
 
 
-def cycle_timer(device, calls, reps):
-    """``time(fns) -> us per call``: CUDA-graph replay on a GPU, a wall clock elsewhere."""
+def cycle_timer(device, calls, reps, settle=0.0):
+    """``time(fns) -> us per call``: CUDA-graph replay on a GPU (after ``settle`` idle
+    seconds), a wall clock elsewhere."""
 
     def time_graph(fns):
         for f in fns:
@@ -67,6 +74,7 @@ def cycle_timer(device, calls, reps):
                 fns[i % len(fns)]()
         graph.replay()
         torch.cuda.synchronize()
+        time.sleep(settle)
         times = []
         for _ in range(reps):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -169,7 +177,7 @@ def main(argv=None):
             import flash_mla
         except ImportError as e:
             print(f"FlashMLA not importable ({e}); skipping it")
-    timer = cycle_timer(device, args.calls, args.reps)
+    timer = cycle_timer(device, args.calls, args.reps, args.settle)
     gen = torch.Generator(device=device).manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     sm_scale = 512**-0.5
