@@ -13,8 +13,8 @@ GPU work is timed by CUDA-graph replay: ``--calls`` calls (cycling over ``--sets
 so that consecutive calls read different rows) are captured once, the graph is replayed
 ``--reps`` times and the median replay is divided by ``--calls``. Each timing starts after
 ``--settle`` idle seconds: after a heavy case the H200 caps its power (``nvidia-smi``: SW
-power cap, SM clock down to 1740 MHz) and the next case runs slower for about a second
-(H=128 T=512 fp8_ds_mla: 365-373 us alone, 394-422 right after bf16), so back-to-back
+power cap, SM clock down to 1605 MHz) and the next case runs slower for up to a second
+(H=128 T=512 fp8_ds_mla: 365-373 us alone, 403-409 right after bf16), so back-to-back
 timings would favour whatever follows a light case. Reported per case:
 microseconds, TFLOP/s (``4 T H A 512``, ``A = 128 + K`` attended entries), GB/s of KV rows,
 and % of roofline ``max(flops / 790e12, bytes / 4.3e12)`` (bytes: KV rows + indices + q,
