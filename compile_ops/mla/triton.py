@@ -262,8 +262,8 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, N
     program pays about one memory latency (H200, T = 1, H = 128, 18 partials: 10.0 us per
     call, against 10.7 with a sum across warps and 10.3 with 16-row chunks). Past 32
     partials the chunks hold 16 rows (32-row chunks beside the first would take all 255
-    registers). ``PDL``: launched as a
-    programmatic dependent of the Gluon kernel, it waits here for that kernel's partials."""
+    registers). ``PDL``: launched as a programmatic dependent of the Gluon kernel, it waits
+    here for that kernel's partials."""
     if PDL:
         gdc_wait()
     i_th = tl.program_id(0)
@@ -274,8 +274,9 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, N
     # [NSP]
     b_lse = tl.load(part_lse + (o_s * T + i_t) * H + i_h, mask=m_s, other=float("-inf"))
     o_c = tl.arange(0, NSC)
-    # [NSC, 512]
-    b_o = tl.load(part_o + ((o_c * T + i_t) * H + i_h)[:, None] * 512 + o_d[None, :], mask=(o_c < n_split)[:, None], other=0.0)
+    # [NSC, 512]: the first chunk, loaded before the maximum below needs the LSEs
+    b_o = tl.load(part_o + ((o_c * T + i_t) * H + i_h)[:, None] * 512 + o_d[None, :],
+                  mask=(o_c < n_split)[:, None], other=0.0)
     b_sink = tl.load(sink + i_h + o_s * 0, mask=(o_s == 0) & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
     b_max = tl.max(tl.maximum(b_lse, b_sink), 0)
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
@@ -288,7 +289,7 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, N
         o_row = (o_c * T + i_t) * H + i_h
         if s0 > 0:
             b_o = tl.load(part_o + o_row[:, None] * 512 + o_d[None, :], mask=m_c[:, None], other=0.0)
-        # [NSC]
+        # [NSC]: the chunk's LSEs again, in the layout of its partials (an L1 hit)
         b_w = tl.math.exp2(tl.load(part_lse + o_row, mask=m_c, other=float("-inf")) - b_max) * b_scale
         b_out += tl.sum(b_w[:, None] * b_o, 0)
     tl.store(out + i_th * 512 + o_d, b_out.to(tl.bfloat16))
@@ -334,8 +335,9 @@ def scratch(device: torch.device) -> _Scratch:
 
 def choose_split(T: int, H: int, blocks: int, cfg: Config, num_sms: int, rows: int) -> int:
     """Programs per (token, head block, column half): enough to fill ``num_sms``, at most one
-    per block of ``bn`` entries (``blocks`` of them per token); 1 once ``T`` alone fills the GPU. A symbolic ``T`` (a traced
-    launch, see :func:`_kernel`) gives a symbolic count and adds no guard."""
+    per block of ``bn`` entries (``blocks`` of them per token); 1 once ``T`` alone fills the
+    GPU. A symbolic ``T`` (a traced launch in :func:`sparse_mla_triton`) gives a symbolic count and
+    adds no guard."""
     progs = T * triton.cdiv(H, BH) * cfg.dsplit
     return torch.sym_max(1, torch.sym_min(blocks, torch.sym_min(num_sms // progs, rows // (T * H))))
 
