@@ -68,6 +68,15 @@ MAX_REGS = 168
 
 
 @gluon.jit
+def _wait_prior_grid():
+    """``griddepcontrol.wait``: this kernel is a programmatic dependent launch, so its programs
+    may start while the stream's previous kernel still runs (often the previous call's LSE
+    merge, which reads the partials this call overwrites). Every partition waits here for
+    that kernel to finish, and for its writes, before its first global load or store."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN: gl.constexpr):
     """This program's blocks ``[i_b0, i_b1)`` (SWA blocks first) and the segment lengths."""
     n_swa = gl.minimum(gl.maximum(gl.load(swa_len + i_t), 0), W)
@@ -209,6 +218,7 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
     score bias next to it, then ``ready`` (see the module docstring). Every block's slots
     are loaded two blocks ahead: loaded one block ahead, ptxas placed their first use
     before this block's copies, which then waited for the index load."""
+    _wait_prior_grid()
     swa_len, cmp_len, W, K, n_split = span_args
     n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
@@ -362,6 +372,7 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
     and sum after the last block; then stores its output column blocks and the LSE
     (:func:`_epilogue`) here, not after ``warp_specialize``, which returns only once every
     partition has finished: so both halves' stores overlap (T = 1: 0.6-0.7 us)."""
+    _wait_prior_grid()
     swa_len, cmp_len, W, K, n_split = span_args
     _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
@@ -420,6 +431,7 @@ def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, f
     right half of the program's columns) with :func:`_consumer_left`'s ``P`` (loaded
     into registers, which frees ``p_smem`` before the product) and rescale factor, then
     stores its output column blocks (:func:`_epilogue`)."""
+    _wait_prior_grid()
     swa_len, cmp_len, W, K, n_split = span_args
     _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
@@ -593,7 +605,7 @@ def launch_options(fmt: int, data: int, scale_bytes: int, page_shift: bool, dspl
     return dict(
         FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
         BN=BN, STAGES=STAGES, DSPLIT=dsplit, PRODUCER_REGS=PRODUCER_REGS, RIGHT_REGS=RIGHT_REGS,
-        num_warps=4, maxnreg=MAX_REGS,
+        num_warps=4, maxnreg=MAX_REGS, launch_pdl=True,
     )
 
 
