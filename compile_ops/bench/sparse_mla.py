@@ -7,7 +7,9 @@ than L2, it times:
 * ours: ``compile_ops.sparse_mla_out`` on each of ``--backends`` (the warp-specialized
   Gluon kernel, ``gluon``, and the portable ``tl`` kernel, ``triton``), for every ``kv_format``;
 * FlashMLA (``sgl-flash-mla``, ``use_legacy=True``) on the same ``fp8_ds_mla`` caches;
-* the plain-torch reference under ``torch.compile`` (bf16 caches, a few T: it is slow).
+* the plain-torch reference under ``torch.compile`` (bf16 caches, at ``--ref-T``: T = 1 and
+  128 by default, because it is slow: on the H200 the H=64 T=512 case alone took ~44 s to
+  compile and time, and T=2048 had not finished after four minutes).
 
 GPU work is timed by CUDA-graph replay: ``--calls`` calls (cycling over ``--sets`` input sets
 so that consecutive calls read different rows) are captured once, the graph is replayed
