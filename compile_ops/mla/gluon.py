@@ -36,14 +36,14 @@ So the gather and dequantization of block ``i + 1`` run on the producer's warps 
 tensor cores work on block ``i`` (FlashMLA's SM90 sparse decoding splits its warps the same
 way; Triton's Gluon tutorials show the ``warp_specialize`` / ``mbarrier`` idiom). Shared
 memory holds Q (64 KB), the two tiles (128 KB), P (8 KB) and for the fp8 formats the 16 KB
-staging buffer: a third key tile does not fit, which bounds the ``bf16`` gather to at most two
-64 KB blocks in flight per SM. The kernel is a programmatic dependent launch: its programs may
-start while the stream's previous kernel runs (the previous call's LSE merge lets them), and
-each partition waits on the device for that kernel before touching global memory (H200,
-20 calls back to back at T = 1: 1.0-1.2 us per call faster). After a split-K launch the LSE merge
-starts the same way, waiting on the device for this kernel. With few programs (small T) two programs
-share each (token, head block, split), each computing and storing 256 of the 512 output
-columns (``DSPLIT = 2``, chosen by the host). Measured on the H200 in
+staging buffer: a third key tile does not fit, which bounds the ``bf16`` gather to at most
+two 64 KB blocks in flight per SM. The kernel is a programmatic dependent launch: its
+programs may start while the stream's previous kernel runs (the previous call's LSE merge
+lets them), and each partition waits on the device for that kernel before touching global
+memory (H200, 20 calls back to back at T = 1: 1.0-1.2 us per call faster). After a split-K
+launch the LSE merge starts the same way, waiting on the device for this kernel. With few
+programs (small T) two programs share each (token, head block, split), each computing and
+storing 256 of the 512 output columns (``DSPLIT = 2``, chosen by the host). Measured on the H200 in
 ``docs/performance-sparse-mla.md``; the design log is ``docs/notes-sparse-mla.md``.
 """
 

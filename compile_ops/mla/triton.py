@@ -261,9 +261,8 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, N
     ``n_split``, in all), the first one loaded before the LSEs' maximum is taken, so the
     program pays about one memory latency (H200, T = 1, H = 128, 18 partials, before the
     Gluon kernel became a dependent launch: 10.0 us per call, against 10.7 with a sum across
-    warps and 10.3 with 16-row chunks). Past 32
-    partials the chunks hold 16 rows (32-row chunks beside the first would take all 255
-    registers). ``PDL``: launched as a programmatic dependent of the Gluon kernel, it waits
+    warps and 10.3 with 16-row chunks). Past 32 partials the chunks hold 16 rows (32-row
+    chunks beside the first would take all 255 registers). ``PDL``: launched as a programmatic dependent of the Gluon kernel, it waits
     here for that kernel's partials. ``LAUNCH_NEXT``: it lets the stream's next kernel
     launch at once (a programmatic dependent, such as the next call's Gluon kernel, then
     waits on the device for this one; see :func:`sparse_mla_triton` for when)."""
