@@ -225,7 +225,7 @@ def _sparse_mla_flashinfer(*args):
 # FlashInfer first: SM100/SM120 only (unverified on hardware, see docs/backends.md)
 backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable, _sparse_mla_flashinfer)
 # Gluon before FlashMLA: on the H200, fp8_ds_mla behind this op, Gluon is faster at every T for
-# H = 64 and H = 128 (1.2-4.7x, docs/performance-sparse-mla.md)
+# H = 64 and H = 128 (1.2-5.1x, docs/performance-sparse-mla.md)
 backends.register_backend("sparse_mla", "gluon", _gluon_unavailable, _sparse_mla_gluon)
 backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable, _sparse_mla_flashmla)
 backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _sparse_mla_triton)

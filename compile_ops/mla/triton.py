@@ -262,10 +262,12 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, N
     program pays about one memory latency (H200, T = 1, H = 128, 18 partials, before the
     Gluon kernel became a dependent launch: 10.0 us per call, against 10.7 with a sum across
     warps and 10.3 with 16-row chunks). Past 32 partials the chunks hold 16 rows (32-row
-    chunks beside the first would take all 255 registers). ``PDL``: launched as a programmatic dependent of the Gluon kernel, it waits
-    here for that kernel's partials. ``LAUNCH_NEXT``: it lets the stream's next kernel
-    launch at once (a programmatic dependent, such as the next call's Gluon kernel, then
-    waits on the device for this one; see :func:`sparse_mla_triton` for when)."""
+    chunks beside the first would take all 255 registers).
+
+    ``PDL``: launched as a programmatic dependent of the Gluon kernel, it waits here for that
+    kernel's partials. ``LAUNCH_NEXT``: it lets the stream's next kernel launch at once (a
+    programmatic dependent, such as the next call's Gluon kernel, then waits on the device
+    for this one; see :func:`sparse_mla_triton` for when)."""
     if LAUNCH_NEXT:
         gdc_launch_dependents()
     if PDL:
@@ -340,8 +342,8 @@ def scratch(device: torch.device) -> _Scratch:
 def choose_split(T: int, H: int, blocks: int, cfg: Config, num_sms: int, rows: int) -> int:
     """Programs per (token, head block, column half): enough to fill ``num_sms``, at most one
     per block of ``bn`` entries (``blocks`` of them per token); 1 once ``T`` alone fills the
-    GPU. A symbolic ``T`` (a traced launch in :func:`sparse_mla_triton`) gives a symbolic count and
-    adds no guard."""
+    GPU. A symbolic ``T`` (a traced launch in :func:`sparse_mla_triton`) gives a symbolic
+    count and adds no guard."""
     progs = T * triton.cdiv(H, BH) * cfg.dsplit
     return torch.sym_max(1, torch.sym_min(blocks, torch.sym_min(num_sms // progs, rows // (T * H))))
 
