@@ -63,6 +63,9 @@ def resolve(family: str, device: torch.device, kv_format: Optional[str] = None) 
     registry = _check_family(family)
     choice = getattr(config, family)
     device = torch.device(device)
+    reason = device_unavailable(device)
+    if reason is not None:
+        raise ValueError(f"no backend can run {family} on {device}: {reason}")
     if choice != "auto":
         if choice not in registry:
             raise ValueError(
@@ -101,6 +104,17 @@ def use_backends(**choices: str) -> Iterator[BackendConfig]:
     finally:
         for name, value in saved.items():
             setattr(config, name, value)
+
+
+def device_unavailable(device: torch.device) -> Optional[str]:
+    """``None`` when this torch can run work on ``device``, else why not (a CUDA device on a
+    CPU-only build of torch, or with no GPU visible). Checked before any backend's predicate,
+    so that none of them meets a device torch cannot use."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return f"this torch ({torch.__version__}) was built without CUDA"
+        return f"torch {torch.__version__} sees no CUDA device"
+    return None
 
 
 def any_device(device: torch.device, kv_format: Optional[str]) -> Optional[str]:

@@ -6,6 +6,7 @@ import torch
 import compile_ops
 from compile_ops import backends
 from compile_ops.formats import new_cache
+from compile_ops.mla.ops import gluon_triton_unsupported
 
 FAMILIES = ["sparse_mla", "slots", "combine"]
 
@@ -64,3 +65,45 @@ def test_gluon_backend_priority_and_reason_off_gpu():
     with compile_ops.use_backends(sparse_mla="gluon"):
         with pytest.raises(ValueError, match="Gluon kernel runs on CUDA devices only"):
             compile_ops.backend_for("sparse_mla", "cpu")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks a torch that cannot use CUDA")
+def test_a_cuda_device_without_cuda_is_a_clear_error(family):
+    """A CPU-only torch (or no visible GPU) is named, never a raw assertion from deep inside
+    a backend's predicate."""
+    with pytest.raises(ValueError, match=rf"no backend can run {family} on cuda: .*torch"):
+        compile_ops.backend_for(family, "cuda", "fp8_dsv41")
+
+
+@pytest.mark.parametrize("version, supported", [
+    ("3.5.1", False), ("3.6.0", True), ("3.7.0", True), ("3.7.1", True), ("3.8.0", True),
+    ("3.8.1+gitabc", True), ("3.9.0", False), ("3.10.0", False),
+])
+def test_gluon_triton_range(version, supported):
+    reason = gluon_triton_unsupported(version)
+    assert (reason is None) == supported
+    if not supported:
+        assert version in reason
+
+
+@pytest.fixture
+def hopper_without_cuda(monkeypatch):
+    """This process as if it saw one sm_90 GPU (predicates only: nothing is launched)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def test_gluon_on_an_unsupported_triton_falls_back_to_tl(hopper_without_cuda, monkeypatch):
+    """On Triton 3.9 ``auto`` takes the ``tl`` kernel and ``backend_for`` says so; an
+    explicit ``gluon`` raises the reason, naming the Triton release."""
+    pytest.importorskip("triton")
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.8.0")
+    assert compile_ops.backend_for("sparse_mla", "cuda", "bf16") == "gluon"
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert compile_ops.backend_for("sparse_mla", "cuda", "bf16") == "triton"
+    with compile_ops.use_backends(sparse_mla="gluon"):
+        with pytest.raises(ValueError, match=r"Triton >= 3\.6, < 3\.9 .*got triton 3\.9\.0"):
+            compile_ops.backend_for("sparse_mla", "cuda", "bf16")

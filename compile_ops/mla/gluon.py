@@ -61,6 +61,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from compile_ops.mla.triton import GLUON, UNSPECIALIZED, sparse_mla_triton
 
+# The Gluon names that differ across the supported Triton releases (3.6 to 3.9), each the
+# same operation under its newer name where the installed Triton has it: 3.7 renamed
+# ``thread_barrier`` (a barrier of the program's threads) to ``barrier``; 3.8 renamed the
+# ``cp.async`` copy ``async_copy_global_to_shared`` to ``async_load`` (3.9 removed the old
+# name); 3.9 made the shared-memory view's ``_reinterpret`` public as ``reinterpret``.
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
+
 BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same split-K)
 STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB + P (8 KB) (+ 16 KB fp8 staging) fill the 227 KB
 # the producer's registers per thread (no spills in any format); the rest of 168 x 12 warps
@@ -197,7 +206,7 @@ def _raw_words(buf, NB: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr):
     """``buf`` (a key tile: ``NB = 16``, or the staging buffer: ``NB = 4``) as ``NB`` 4 KB
     raw column blocks of words ``[NB, BN, NS, 16 / NS]``."""
     NS: gl.constexpr = 2 if FMT == 3 else 1
-    return buf._reinterpret(gl.int32, [NB, BN, NS, 16 // NS], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    return _reinterpret(buf, gl.int32, [NB, BN, NS, 16 // NS], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
 
 
 @gluon.jit
@@ -242,10 +251,10 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
             # straight into the MMA layout; `ready` completes when the copies land: no
             # waiting here, so the next tile's copies go out as soon as it is free (up to
             # two tiles in flight)
-            async_copy.async_copy_global_to_shared(kbuf.index(st), (kv + o_row)[:, None] + o_d[None, :],
+            _async_load(kbuf.index(st), (kv + o_row)[:, None] + o_d[None, :],
                                                    mask=valid[:, None])
             async_copy.mbarrier_arrive(ready.index(st))
-            gl.thread_barrier()
+            _cta_barrier()
             mbarrier.arrive(ready.index(st), count=1)
     else:
         # fp8: raw column blocks 0..3 of block i + 1 (and its scale bytes) go by cp.async into
@@ -255,7 +264,7 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
         L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _copy_layout()))
         o_r = gl.arange(0, BN, L_ROW)
         NCB: gl.constexpr = 7 if FMT == 2 else 8
-        scales = scale_buf._reinterpret(gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         rows_next = _copy_staged(stage_buf, scale_buf.index(0), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
                                  nb_swa, seg, DATA, SCALE, PAGE_SHIFT, FMT, BN)
         async_copy.commit_group()
@@ -270,18 +279,18 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
             _copy_tile(tile, p_row, valid, FMT, BN)
             async_copy.commit_group()
             async_copy.wait_group(1)  # block i's staged bytes have landed
-            gl.thread_barrier()
+            _cta_barrier()
             _dequantize(stage_buf, 4, 0, tile, scales.index(st), 0, 4, FMT, BN)
-            gl.thread_barrier()  # every thread has read the staged bytes
+            _cta_barrier()  # every thread has read the staged bytes
             rows_next = _copy_staged(stage_buf, scale_buf.index((i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa, seg,
                                      DATA, SCALE, PAGE_SHIFT, FMT, BN)
             slot_next = slot_after
             async_copy.commit_group()
             async_copy.wait_group(1)  # block i's tile part has landed
-            gl.thread_barrier()
+            _cta_barrier()
             _dequantize(tile, 16, _raw_offset(FMT), tile, scales.index(st), 4, NCB, FMT, BN)
             fence_async_shared()
-            gl.thread_barrier()
+            _cta_barrier()
             mbarrier.arrive(ready.index(st), count=1)
 
 
@@ -315,14 +324,14 @@ def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr
     p_row = p_byte.to(gl.pointer_type(gl.int32))
     o_j = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
     o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    async_copy.async_copy_global_to_shared(stage_buf, p_row[None, :, None] + o_j * 16 + o_w,
+    _async_load(stage_buf, p_row[None, :, None] + o_j * 16 + o_w,
                                            mask=valid[None, :, None])
     if FMT != 1:
         SW: gl.constexpr = SCALE // 4
         LS: gl.constexpr = gl.BlockedLayout([1, SW], [8, 4], [4, 1], [1, 0])  # rows as in L3: no layout conversion
         p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, SCALE), gl.SliceLayout(1, LS))
         o_s = gl.arange(0, SW, gl.SliceLayout(0, LS))
-        async_copy.async_copy_global_to_shared(
+        _async_load(
             scale_st.slice(0, SW, dim=1), p_scale.to(gl.pointer_type(gl.int32))[:, None] + o_s[None, :],
             mask=gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None])
     return p_byte, valid
@@ -336,17 +345,17 @@ def _copy_tile(tile, p_row, valid, FMT: gl.constexpr, BN: gl.constexpr):
     L3: gl.constexpr = _copy_layout()
     NCB: gl.constexpr = 7 if FMT == 2 else 8
     RB: gl.constexpr = _raw_offset(FMT) + 4
-    raw = tile._reinterpret(gl.int32, [16, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    raw = _reinterpret(tile, gl.int32, [16, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
     o_j = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
     o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    async_copy.async_copy_global_to_shared(
+    _async_load(
         raw.slice(RB, 4), p_row.to(gl.pointer_type(gl.int32))[None, :, None] + (4 + o_j) * 16 + o_w,
         mask=valid[None, :, None] & (4 + o_j < NCB))
     if FMT == 2:
         LR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         p_rope = gl.convert_layout(p_row + 448, gl.SliceLayout(1, LR)).to(gl.pointer_type(gl.bfloat16))
         o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
-        async_copy.async_copy_global_to_shared(
+        _async_load(
             tile.slice(448, 64, dim=1), p_rope[:, None] + o_c[None, :],
             mask=gl.convert_layout(valid, gl.SliceLayout(1, LR))[:, None])
 
@@ -380,11 +389,11 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
     _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
     q_ptr, q_mask = q_ptrs
-    async_copy.async_copy_global_to_shared(q_smem, q_ptr, mask=q_mask)
+    _async_load(q_smem, q_ptr, mask=q_mask)
     async_copy.commit_group()
     async_copy.wait_group(0)
     fence_async_shared()
-    gl.thread_barrier()
+    _cta_barrier()
 
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
@@ -411,14 +420,14 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
         mbarrier.wait(p_free, (i & 1) ^ 1, pred=i > 0)  # the right half has used P of block i - 1
         p_smem.store(p)
         alpha_smem.store(alpha)
-        gl.thread_barrier()
+        _cta_barrier()
         mbarrier.arrive(p_ready, count=1)
         o = warpgroup_mma_wait(num_outstanding=0, deps=o)
-        gl.thread_barrier()
+        _cta_barrier()
         mbarrier.arrive(empty.index(st), count=1)
     ml_smem.index(0).store(m_i)
     ml_smem.index(1).store(l_i)
-    gl.thread_barrier()
+    _cta_barrier()
     mbarrier.arrive(fin, count=1)
     m_i = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
     l_i = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
@@ -447,11 +456,11 @@ def _consumer_right(kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, f
         mbarrier.wait(p_ready, i & 1)
         p = p_smem.load(P_L)
         alpha = alpha_smem.load(gl.SliceLayout(1, O_L))
-        gl.thread_barrier()
+        _cta_barrier()
         mbarrier.arrive(p_free, count=1)
         o = _pv_async(p, alpha, chunks, st * 8 + c_right, o, NCB)
         o = warpgroup_mma_wait(num_outstanding=0, deps=o)
-        gl.thread_barrier()
+        _cta_barrier()
         mbarrier.arrive(empty.index(st), count=1)
     mbarrier.wait(fin, 0)
     m_i = ml_smem.index(0).load(gl.SliceLayout(1, O_L))
@@ -465,7 +474,7 @@ def _column_blocks(kbuf, BN: gl.constexpr, STAGES: gl.constexpr):
     """The key tiles as ``[STAGES * 8, BN, 64]``: column block ``c`` of stage ``st`` is
     ``index(8 st + c)``, indexable at run time (an NVMMA tile of 512 columns lies in memory
     as eight 64-column tiles, 8 KB apart)."""
-    return kbuf._reinterpret(gl.bfloat16, [STAGES * 8, BN, 64], gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16))
+    return _reinterpret(kbuf, gl.bfloat16, [STAGES * 8, BN, 64], gl.NVMMASharedLayout.get_default_for([BN, 64], gl.bfloat16))
 
 
 @gluon.jit
@@ -507,15 +516,18 @@ def _epilogue(o, m_i, l_i, c0, i_t, i_hb, i_s, epilogue_args, buf, NCB: gl.const
         mx = gl.where(mx == float("-inf"), 0.0, mx)
         lse_all = mx + gl.log2(gl.exp2(lse_p - mx) + gl.exp2(sk - mx))
         w = gl.where(lse_all == float("-inf"), 0.0, gl.exp2(lse_p - lse_all))
-        rows_bf16 = buf._reinterpret(gl.bfloat16, [64, 64 * NCB], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+        # a view of all of ``buf`` (Triton >= 3.8 reinterprets only at equal size), of which
+        # the first 64 NCB columns hold the rows
+        rows_bf16 = _reinterpret(buf, gl.bfloat16, [64, 512], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
         for c in gl.static_range(NCB):
             rows_bf16.slice(64 * c, 64, dim=1).store((o[c] * scale[:, None] * w[:, None]).to(gl.bfloat16))
         gl.store(lse + i_t * H + o_h, lse_all, mask=m_h & (c0 == 0))
-        gl.thread_barrier()
+        _cta_barrier()
         L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # a row per warp instruction
         r_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, L))
         r_v = c0 + gl.arange(0, 64 * NCB, gl.SliceLayout(0, L))
-        gl.store(out + (i_t * H + r_h[:, None]) * 512 + r_v[None, :], rows_bf16.load(L), mask=(r_h < H)[:, None])
+        gl.store(out + (i_t * H + r_h[:, None]) * 512 + r_v[None, :], rows_bf16.slice(0, 64 * NCB, dim=1).load(L),
+                 mask=(r_h < H)[:, None])
     else:  # fp32 straight from the wgmma layout: 32 bytes per row and warp instruction
         o_row = (i_s * T + i_t) * H + o_h
         o_v = gl.arange(0, 64, gl.SliceLayout(0, O_L))

@@ -175,16 +175,40 @@ def _sparse_mla_triton(*args):
     sparse_mla_triton(*args)
 
 
+# Triton releases whose sm_90 build of the Gluon kernel is tested spill-free
+# (tests/test_gluon_build.py): from 3.6, the first with this Gluon API, up to but not
+# including 3.9, whose register allocation spills the kernel in every format at one column
+# split (docs/backends.md, "Supported Triton releases").
+GLUON_TRITON = ((3, 6), (3, 9))
+
+
+def gluon_triton_unsupported(version: str) -> Optional[str]:
+    """``None`` when the Gluon kernel supports Triton ``version`` (e.g. ``"3.8.0"``), else why not."""
+    try:
+        release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"the Gluon kernel cannot tell which Triton release {version!r} is"
+    if GLUON_TRITON[0] <= release < GLUON_TRITON[1]:
+        return None
+    (lo_major, lo_minor), (hi_major, hi_minor) = GLUON_TRITON
+    return (
+        f"the Gluon kernel supports Triton >= {lo_major}.{lo_minor}, < {hi_major}.{hi_minor} "
+        f"(Triton 3.9's sm_90 build of it spills registers), got triton {version}"
+    )
+
+
 def _gluon_unavailable(device, kv_format):
     if device.type != "cuda":
         return f"the Gluon kernel runs on CUDA devices only, got {device.type}"
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return f"the Gluon kernel needs sm_90 (Hopper wgmma), got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"the Gluon kernel needs sm_90 (Hopper wgmma), got sm_{capability[0]}{capability[1]}"
     try:
+        import triton
         import triton.experimental.gluon  # noqa: F401
     except ImportError as err:
-        return f"the Gluon kernel needs triton >= 3.5 with triton.experimental.gluon ({err})"
-    return None
+        return f"the Gluon kernel needs triton with triton.experimental.gluon ({err})"
+    return gluon_triton_unsupported(triton.__version__)
 
 
 def _sparse_mla_gluon(*args):

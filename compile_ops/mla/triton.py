@@ -120,7 +120,7 @@ def _load_kv(p_row, p_scale, m_row, col0,
         b_k = b_x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_scale
         if FMT == 2:
             o_r = tl.arange(0, 64)
-            m_rope = m_row[:, None] & (col0 + DW > 448)
+            m_rope = tl.where(col0 + DW > 448, m_row, False)[:, None]
             if ROPE_BYTES:  # odd page stride: the bf16 values are not 2-byte aligned
                 p_lo = p_row[:, None] + 448 + 2 * o_r[None, :]
                 b_lo = tl.load(p_lo, mask=m_rope, other=0).to(tl.uint16)
@@ -195,7 +195,9 @@ def _sparse_mla_kernel(
         stride = tl.where(is_swa, swa_stride, cmp_stride)
         kv = tl.where(is_swa, swa_kv, cmp_kv)
         # [BN] slots -> (page, offset) -> row and scale pointers
-        b_slot = tl.load(p_idx + o_n * s_n, mask=(o_n < n_len) & (i_b < i_b1), other=-1)
+        # a scalar condition joins a mask through tl.where, never `&`: Triton 3.9's
+        # interpreter turns `scalar & vector` masks into integers and rejects them
+        b_slot = tl.load(p_idx + o_n * s_n, mask=tl.where(i_b < i_b1, o_n < n_len, False), other=-1)
         m_n = (b_slot >= 0) & (b_slot < n_slots)
         b_slot = tl.where(m_n, b_slot, 0)
         if PAGE_SHIFT:  # page sizes are powers of two: `page` holds log2(page size)
@@ -233,10 +235,10 @@ def _sparse_mla_kernel(
     # this program's partial: normalised output and base-2 LSE (-inf when it saw nothing)
     b_o = tl.where(b_l[:, None] > 0, b_acc * (kv_scale / b_l[:, None]), 0.0)
     b_lse = tl.where(b_l > 0, tl.where(b_m == float("-inf"), 0.0, b_m) + tl.log2(b_l), float("-inf"))
-    m_lse = m_h & (i_dv == 0)
+    m_lse = tl.where(i_dv == 0, m_h, False)
     if n_split == 1:
         # fold the sink in: it is one more partial, with lse = sink * log2(e) and output 0
-        b_sink = tl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
+        b_sink = tl.load(sink + o_h, mask=tl.where(has_sink != 0, m_h, False), other=float("-inf")) * 1.4426950408889634
         b_max = tl.maximum(b_lse, b_sink)
         b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
         b_all = b_max + tl.log2(tl.math.exp2(b_lse - b_max) + tl.math.exp2(b_sink - b_max))
@@ -283,7 +285,7 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, N
     # [NSC, 512]: the first chunk, loaded before the maximum below needs the LSEs
     b_o = tl.load(part_o + ((o_c * T + i_t) * H + i_h)[:, None] * 512 + o_d[None, :],
                   mask=(o_c < n_split)[:, None], other=0.0)
-    b_sink = tl.load(sink + i_h + o_s * 0, mask=(o_s == 0) & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
+    b_sink = tl.load(sink + i_h + o_s * 0, mask=tl.where(has_sink != 0, o_s == 0, False), other=float("-inf")) * 1.4426950408889634
     b_max = tl.max(tl.maximum(b_lse, b_sink), 0)
     b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_den = tl.sum(tl.math.exp2(b_lse - b_max) + tl.math.exp2(b_sink - b_max), 0)

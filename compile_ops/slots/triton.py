@@ -50,7 +50,9 @@ def _topk_to_slots_kernel(
         m_k = o_k < K
         # [BLOCK] request-local (or, with DCP, global) compressed ids
         b_id = tl.load(topk_ptr + i_t * stride_tt + o_k * stride_tk, mask=m_k, other=-1)
-        m_ok = m_row & m_k & (b_id >= 0)
+        # a scalar condition joins a mask through tl.where, never `&`: Triton 3.9's
+        # interpreter turns `scalar & vector` masks into integers and rejects them
+        m_ok = tl.where(m_row, m_k & (b_id >= 0), False)
         b_c = tl.where(m_ok, b_id, 0)  # non-negative from here on: // and % are exact
         if DCP:
             m_ok = m_ok & ((b_c // interleave) % world == rank)
@@ -115,7 +117,7 @@ def _write_rows_kernel(
     m_e = o_e < DATA + SCALE
     o_dst = tl.where(o_e < DATA, b_off * DATA + o_e, page_size * DATA + b_off * SCALE + (o_e - DATA))
     b_x = tl.load(rows_ptr + i_n * (DATA + SCALE) + o_e, mask=m_e)
-    tl.store(cache_ptr + b_page * stride_cp + o_dst, b_x, mask=m_e & m_row)
+    tl.store(cache_ptr + b_page * stride_cp + o_dst, b_x, mask=tl.where(m_row, m_e, False))
 
 
 def write_rows_triton(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fmt) -> None:
