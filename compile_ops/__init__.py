@@ -13,13 +13,24 @@ Backends are chosen with :data:`config` / :func:`use_backends` and reported by
 :func:`backend_for`; KV-cache formats live in :mod:`compile_ops.formats`.
 """
 
+import inspect
+
 from compile_ops.backends import BackendConfig, backend_for, config, use_backends
 from compile_ops.combine import dcp_combine, lse_combine
 from compile_ops.formats import KV_FORMATS, read_kv, write_kv
 from compile_ops.slots import dcp_topk_to_slots, swa_indices, topk_to_slots
 from compile_ops.mla import sparse_mla, sparse_mla_out
 
+__version__ = "0.1.0"
+
+# a torch.library custom op is called through CustomOpDef.__call__(*args, **kwargs): give
+# inspect.signature, help() and editors the op's own signature
+for _op in (dcp_combine, dcp_topk_to_slots, lse_combine, sparse_mla, sparse_mla_out, swa_indices, topk_to_slots, write_kv):
+    _op.__signature__ = inspect.signature(_op._init_fn)
+del _op
+
 __all__ = [
+    "__version__",
     "BackendConfig",
     "KV_FORMATS",
     "backend_for",

@@ -1,4 +1,4 @@
-"""The decode-context-parallel (DCP) attention step of DESIGN 3.4, as one plain function.
+"""The decode-context-parallel (DCP) attention step of docs/design.md, as one plain function.
 
 Shape legend: ``T`` tokens, ``H`` this rank's query heads, ``N`` the DCP group size
 (``H * N`` gathered heads), ``W`` SWA index columns, ``K`` top-k columns.
@@ -82,7 +82,7 @@ def dcp_sparse_mla(
     kv_scale: float = 1.0,
     mode: str = "ag_rs",
 ) -> tuple[Tensor, Tensor]:
-    """Sparse MLA of this rank's heads over KV sharded across a DCP group (DESIGN 3.4).
+    """Sparse MLA of this rank's heads over KV sharded across a DCP group (docs/design.md).
 
     Every rank of the group calls it with the same shapes and arguments except ``q`` (its
     own heads), ``cmp_cache`` / ``cmp_block_table`` (its own shard) and ``rank``.

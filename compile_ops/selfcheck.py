@@ -2,7 +2,7 @@
 
 The oracles here are dense reformulations (attention over the whole cache weighted by how
 often each slot is selected, stable argsort compaction, logsumexp), not the per-entry
-gathers the reference uses, so the two agree only if both read DESIGN.md the same way.
+gathers the reference uses, so the two agree only if both read docs/ops.md the same way.
 Prints one row per op: backend, shapes, max error, tolerance, verdict; exits 1 on a failure.
 """
 
@@ -193,7 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="reference", help="backend for every op family, or 'auto' (default: reference)")
     parser.add_argument("--no-dcp", action="store_true", help="skip the 2-process gloo dcp_combine check")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    try:  # a device torch cannot use, or a backend that cannot run there: before any work
+        device = torch.device(args.device)
+        with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, combine=args.backend):
+            for family in ("sparse_mla", "slots", "combine"):
+                compile_ops.backend_for(family, device)
+    except (RuntimeError, ValueError) as err:
+        parser.error(str(err))
     gen = torch.Generator().manual_seed(0)
     with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, combine=args.backend):
         rows = [check_sparse_mla(f, gen, device) for f in KV_FORMATS]

@@ -195,9 +195,7 @@ class DSV41Attention(nn.Module):
     def __init__(self, cfg: AttentionConfig, cache: CacheConfig, compress_ratio: int, device=None, seed: int = 0) -> None:
         super().__init__()
         self.cfg, self.cache_cfg = cfg, cache
-        self.compress_ratio = ratio = cfg.check_ratio(compress_ratio) if compress_ratio else 0
-        if ratio and cache.max_entries(ratio) < 1:
-            raise ValueError(f"max_seq_len ({cache.max_seq_len}) must be >= compress_ratio ({ratio})")
+        self.compress_ratio = ratio = cache.check_ratio(cfg.check_ratio(compress_ratio)) if compress_ratio else 0
         H, D, bf16 = cfg.n_heads, cfg.head_dim, torch.bfloat16
         self.n_heads, self.head_dim, self.rope_dim = H, D, cfg.rope_head_dim
         self.softmax_scale = D ** -0.5

@@ -131,6 +131,13 @@ class CacheConfig:
         """Compressed entries one request can hold (``0`` for SWA-only layers)."""
         return self.max_seq_len // ratio if ratio else 0
 
+    def check_ratio(self, ratio: int) -> int:
+        """``ratio`` if a layer of that compress ratio fits this geometry (at least one
+        compressed entry per request), else ``ValueError``."""
+        if ratio and self.max_entries(ratio) < 1:
+            raise ValueError(f"max_seq_len ({self.max_seq_len}) must be >= compress_ratio ({ratio})")
+        return ratio
+
     def swa_pages_per_request(self) -> int:
         return -(-self.max_seq_len // self.page_size)
 

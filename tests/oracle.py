@@ -1,4 +1,4 @@
-"""Float64 oracles, written from DESIGN.md independently of the package's code.
+"""Float64 oracles, written from the op reference (docs/ops.md) independently of the package's code.
 
 They decode cache bytes bit by bit (their own e4m3 / bf16 / UE8M0 decoders), walk rows
 entry by entry in Python and compute in numpy float64. Slow and obvious on purpose.
@@ -68,7 +68,7 @@ def slot_decoder(cache: torch.Tensor, kv_format: str, kv_scale: float = 1.0):
 
 
 def sparse_mla(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale=1.0):
-    """DESIGN 3.1 in float64: returns (out [T, H, 512], lse [T, H]) numpy arrays."""
+    """``sparse_mla`` (docs/ops.md) in float64: returns (out [T, H, 512], lse [T, H]) numpy arrays."""
     qd = q.double().numpy()
     T, H, _ = qd.shape
     out = np.zeros((T, H, 512))
@@ -116,7 +116,7 @@ def _table_slot(block_table, req: int, cid: int, block_size: int) -> int | None:
 
 
 def topk_to_slots(topk, token_to_req, block_table, block_size, is_valid, owner=None):
-    """DESIGN 3.2; ``owner(c) -> local id or None`` filters global ids for DCP."""
+    """``topk_to_slots`` / ``dcp_topk_to_slots`` (docs/ops.md); ``owner(c) -> local id or None`` filters global ids for DCP."""
     T, K = topk.shape
     slots = np.full((T, K), -1, dtype=np.int64)
     lens = np.zeros(T, dtype=np.int64)

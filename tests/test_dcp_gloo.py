@@ -1,5 +1,5 @@
 """DCP over 2 gloo processes: sharded compressed KV + dcp_topk_to_slots + sparse_mla per rank
-+ dcp_combine equals single-rank sparse_mla (DESIGN 3.4)."""
++ dcp_combine equals single-rank sparse_mla (the DCP step of docs/design.md)."""
 
 import math
 import os

@@ -105,3 +105,18 @@ def test_bytes_per_token_matches_design():
         "fp8_ds_mla": 584,
         "fp8_dsv41": 528,
     }
+
+
+@pytest.mark.parametrize("kv_format", list(KV_FORMATS))
+def test_write_kv_slots_int32_or_int64_as_documented(kv_format):
+    """docs/ops.md: write_kv's slots may be int32 or int64 (engines' slot mappings), the same
+    rows either way; any other dtype is a TypeError naming the argument."""
+    kv = torch.randn(3, 512)
+    caches = []
+    for dtype in (torch.int32, torch.int64):
+        cache = new_cache(kv_format, 2, 4)
+        write_kv(cache, torch.tensor([6, -1, 1], dtype=dtype), kv, kv_format)
+        caches.append(cache)
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    with pytest.raises(TypeError, match="slots must have dtype torch.int32 or torch.int64, got torch.int16"):
+        write_kv(new_cache(kv_format, 2, 4), torch.tensor([0, 1, 2], dtype=torch.int16), kv, kv_format)

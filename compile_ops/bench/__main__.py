@@ -1,23 +1,29 @@
 """``python -m compile_ops.bench {sparse-mla,slots,dcp} [options]``: run one benchmark.
 
-Each benchmark is a module ``compile_ops.bench.<name with _>`` exposing ``main(argv)``.
+Each benchmark is a module ``compile_ops.bench.<name with _>`` exposing ``main(argv)``;
+``python -m compile_ops.bench NAME --help`` lists its options.
 """
 
+import argparse
 import importlib
 import sys
 
 BENCHMARKS = {
-    "sparse-mla": "compile_ops.bench.sparse_mla",
-    "slots": "compile_ops.bench.slots",
-    "dcp": "compile_ops.bench.dcp",
+    "sparse-mla": ("compile_ops.bench.sparse_mla", "sparse_mla against FlashMLA and plain torch (GPU)"),
+    "slots": ("compile_ops.bench.slots", "slot conversion kernels against their reference (GPU)"),
+    "dcp": ("compile_ops.bench.dcp", "dcp_combine over NCCL, ag_rs against a2a (several GPUs)"),
 }
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in BENCHMARKS:
-        print(f"usage: python -m compile_ops.bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
-        return 2
-    return importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:]) or 0
+    parser = argparse.ArgumentParser(
+        prog="python -m compile_ops.bench", usage="%(prog)s {sparse-mla,slots,dcp} [options]",
+        description="Run one benchmark; `python -m compile_ops.bench NAME --help` lists its options.",
+        epilog="benchmarks: " + "; ".join(f"{name}: {what}" for name, (_, what) in BENCHMARKS.items()),
+    )
+    parser.add_argument("benchmark", choices=list(BENCHMARKS), help="which benchmark to run")
+    args = parser.parse_args(argv[:1])  # the benchmark parses the rest, --help included
+    return importlib.import_module(BENCHMARKS[args.benchmark][0]).main(argv[1:]) or 0
 
 
 if __name__ == "__main__":

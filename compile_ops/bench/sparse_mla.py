@@ -315,7 +315,8 @@ def report(rows, out_dir, device_name):
         w = csv.DictWriter(f, keys)
         w.writeheader()
         for r in rows:
-            w.writerow({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()})
+            # four significant digits, not decimals: a slow (CPU) run's GB/s stays nonzero
+            w.writerow({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in r.items()})
     # one table: per (H, K, T) our us / TFLOP/s / % roofline per format, then the peers
     by = {}
     for r in rows:

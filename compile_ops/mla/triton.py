@@ -1,6 +1,6 @@
 """Triton sparse MLA: the CUDA fast path of ``dsv41::sparse_mla`` (tuned for Hopper).
 
-For token ``t`` and head ``h`` over the valid entries ``J`` of both segments (DESIGN 3.1)::
+For token ``t`` and head ``h`` over the valid entries ``J`` of both segments (docs/ops.md)::
 
     s_j      = sm_scale * <q[t,h], k_j> * log2(e)                      (base-2 logits)
     out[t,h] = sum_j 2^s_j k_j / (sum_j 2^s_j + 2^(sink_h log2 e))     (value = key)
@@ -53,7 +53,7 @@ from compile_ops._launch import launchable
 from compile_ops.formats import HEAD_DIM, get_format, num_slots
 
 LOG2E = 1.0 / math.log(2.0)
-# Under TRITON_INTERPRET=1 (CPU) tl.dot on bf16 operands returns garbage (DESIGN 8): upcast
+# Under TRITON_INTERPRET=1 (CPU) tl.dot on bf16 operands returns garbage (docs/design.md, testing): upcast
 # the operands to fp32 there, and only there. Decided once, at import, like Triton itself.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -1,0 +1,128 @@
+"""The command-line entry points: bad arguments end in an argparse error before any work,
+``--help`` exits 0, and ``python -m graphs`` prints a verdict and exits non-zero on failure."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphs.__main__ as graphs_main
+from compile_ops import selfcheck
+from compile_ops.bench import __main__ as bench_main
+from graphs.bench import MAX_TIE_SWAPS, REL_TOL, agreement
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def exits(main, argv):
+    """(exit status, seconds) of ``main(argv)`` (argparse exits through SystemExit)."""
+    start = time.perf_counter()
+    try:
+        status = main(argv)
+    except SystemExit as done:
+        status = done.code
+    return status, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--kv-format", "fp9"], "invalid choice: 'fp9'"),
+    (["--backend", "triton", "--device", "cpu"], "backend 'triton' cannot run sparse_mla on cpu"),
+    (["--backend", "cudnn", "--device", "cpu"], "'auto' or one of"),
+    (["--ratios", "3", "--device", "cpu"], "compress_ratio must be one of tiny's"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--device", "gpu"], "device"),
+], ids=["kv-format", "backend-off-device", "backend-unknown", "ratio", "steps", "device-name"])
+def test_graphs_rejects_bad_arguments_before_any_work(argv, says, capsys):
+    status, seconds = exits(graphs_main.main, argv)
+    assert status == 2 and seconds < 5
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks a torch that cannot use CUDA")
+@pytest.mark.parametrize("main, argv", [
+    (graphs_main.main, ["--device", "cuda"]),
+    (selfcheck.main, ["--device", "cuda", "--backend", "auto"]),
+], ids=["graphs", "selfcheck"])
+def test_cuda_without_cuda_is_an_argument_error(main, argv, capsys):
+    status, _ = exits(main, argv)
+    err = capsys.readouterr().err
+    assert status == 2 and "error: no backend can run" in err and "this torch" in err and "Traceback" not in err
+
+
+def test_graphs_ratio_128_runs_on_the_cpu(capsys):
+    """The CPU layer is made long enough for every ratio it is asked for (ratio 128 once
+    failed after minutes of other layers' work)."""
+    status, _ = exits(graphs_main.main, ["--device", "cpu", "--ratios", "128", "--steps", "4", "--requests", "2"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "compress_ratio=128" in printed and "PASS: every layer" in printed
+
+
+def test_graphs_help_states_the_defaults_it_runs(capsys):
+    status, _ = exits(graphs_main.main, ["--help"])
+    assert status == 0
+    assert "(default: 1 2)" in capsys.readouterr().out
+    assert graphs_main.DEFAULT_RATIOS == (1, 2)
+
+
+@pytest.mark.parametrize("argv, status, says", [
+    (["--help"], 0, "{sparse-mla,slots,dcp}"),
+    ([], 2, "required: benchmark"),
+    (["nope"], 2, "invalid choice: 'nope'"),
+    (["slots", "--help"], 0, "--tokens"),
+], ids=["help", "none", "unknown", "benchmark-help"])
+def test_bench_dispatcher(argv, status, says, capsys):
+    assert exits(bench_main.main, argv)[0] == status
+    out = capsys.readouterr()
+    assert says in out.out + out.err
+
+
+def ids(*rows):
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def test_agreement_leaves_out_near_ties_and_fails_otherwise():
+    want = [torch.ones(3, 4), torch.ones(1, 4)]
+    picks = [ids([0, 1, 2], [0, 1, 2], [3, 4, -1]), ids([5, 6, 7])]
+    same = agreement([w.clone() for w in want], want, picks, picks)
+    assert same.passed and same.tokens == 4 and same.tie_tokens == 0 and same.max_rel_diff == 0
+
+    got = [w.clone() for w in want]
+    got[0][1] += 10.0  # token 1 of request 0 differs a lot, and picked one other entry
+    tie = [ids([0, 1, 2], [0, 1, 9], [3, 4, -1]), ids([5, 6, 7])]
+    verdict = agreement(got, want, tie, picks)
+    assert verdict.passed and verdict.tie_tokens == 1 and "1 near-tie token(s) left out" in verdict.verdict()
+
+    far = [ids([0, 1, 2], [9, 10, 11], [3, 4, -1]), ids([5, 6, 7])]
+    assert MAX_TIE_SWAPS < 3
+    verdict = agreement(got, want, far, picks)
+    assert not verdict.passed and verdict.pick_mismatches == 1 and verdict.verdict().startswith("FAIL")
+
+    off = [w + 2 * REL_TOL for w in want]  # same picks, outputs beyond the tolerance
+    verdict = agreement(off, want, picks, picks)
+    assert not verdict.passed and verdict.max_rel_diff == pytest.approx(2 * REL_TOL)
+
+
+def test_graphs_exits_1_when_a_layer_fails(monkeypatch, capsys):
+    honest = graphs_main.agreement
+
+    def strict(*args):  # as if one token had picked other entries
+        result = honest(*args)
+        return type(result)(result.tokens, result.tie_tokens, 1, result.max_abs_diff, result.max_rel_diff)
+
+    monkeypatch.setattr(graphs_main, "agreement", strict)
+    status, _ = exits(graphs_main.main, ["--device", "cpu", "--ratios", "2", "--steps", "4", "--requests", "2"])
+    printed = capsys.readouterr().out
+    assert status == 1 and "FAIL: ratio 2" in printed
+
+
+def test_readme_example_runs():
+    """The README's Python block, as a user would paste it."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    run = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() in ("reference", "gluon", "triton", "flashinfer", "flashmla")

@@ -1,0 +1,48 @@
+"""What a user of the installed distribution relies on besides the ops themselves."""
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import compile_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+OPS = ["sparse_mla", "sparse_mla_out", "topk_to_slots", "dcp_topk_to_slots", "swa_indices",
+       "lse_combine", "dcp_combine", "write_kv"]
+
+
+def test_version_is_the_distributions():
+    assert re.fullmatch(r"\d+\.\d+\.\d+", compile_ops.__version__)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'version = { attr = "compile_ops.__version__" }' in pyproject
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_public_ops_show_their_signature(name):
+    """``inspect.signature`` / ``help()`` see the op's parameters, in the schema's order."""
+    params = list(inspect.signature(getattr(compile_ops, name)).parameters)
+    schema = getattr(torch.ops.dsv41, name).default._schema
+    assert params == [a.name for a in schema.arguments]
+
+
+def test_typed_and_licensed():
+    for package in ("compile_ops", "graphs", "lowering"):
+        assert (ROOT / package / "py.typed").exists()
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_nothing_cites_a_document_outside_the_repo():
+    """Docs and code point into the repo (docs/design.md), never at an external design doc."""
+    hits = []
+    paths = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    paths += [p for top in ("compile_ops", "graphs", "lowering", "tests", "docs") for p in (ROOT / top).rglob("*")]
+    for path in paths:
+        if path.suffix in (".py", ".md", ".toml"):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"DESIGN(\.md| \d)", line) and path.name != "test_package.py":
+                    hits.append(f"{path.relative_to(ROOT)}:{i}")
+    assert hits == []
