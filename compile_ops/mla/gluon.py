@@ -264,7 +264,10 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
         L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _copy_layout()))
         o_r = gl.arange(0, BN, L_ROW)
         NCB: gl.constexpr = 7 if FMT == 2 else 8
-        scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        if FMT == 1:  # no scale bytes: ``scale_buf`` is the key tiles, never read as scales
+            scales = scale_buf
+        else:
+            scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         rows_next = _copy_staged(stage_buf, scale_buf.index(0), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
                                  nb_swa, seg, DATA, SCALE, PAGE_SHIFT, FMT, BN)
         async_copy.commit_group()
