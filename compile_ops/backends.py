@@ -63,9 +63,6 @@ def resolve(family: str, device: torch.device, kv_format: Optional[str] = None) 
     registry = _check_family(family)
     choice = getattr(config, family)
     device = torch.device(device)
-    reason = device_unavailable(device)
-    if reason is not None:
-        raise ValueError(f"no backend can run {family} on {device}: {reason}")
     if choice != "auto":
         if choice not in registry:
             raise ValueError(
@@ -86,7 +83,15 @@ def resolve(family: str, device: torch.device, kv_format: Optional[str] = None) 
 
 
 def backend_for(family: str, device, kv_format: Optional[str] = None) -> str:
-    """Name of the backend ``family`` would use on ``device`` (and ``kv_format``) now."""
+    """Name of the backend ``family`` would use on ``device`` (and ``kv_format``) now.
+
+    Raises ``ValueError`` with the reason when none can: an explicit choice that cannot run,
+    no backend that can, or a device this torch cannot use (``"cuda"`` on a CPU-only build).
+    """
+    device = torch.device(device)
+    reason = device_unavailable(device)
+    if reason is not None:  # before any predicate asks the device for its properties
+        raise ValueError(f"no backend can run {family} on {device}: {reason}")
     return resolve(family, device, kv_format)[0]
 
 
@@ -108,8 +113,8 @@ def use_backends(**choices: str) -> Iterator[BackendConfig]:
 
 def device_unavailable(device: torch.device) -> Optional[str]:
     """``None`` when this torch can run work on ``device``, else why not (a CUDA device on a
-    CPU-only build of torch, or with no GPU visible). Checked before any backend's predicate,
-    so that none of them meets a device torch cannot use."""
+    CPU-only build of torch, or with no GPU visible). An op's own tensors are on a device
+    torch can use, so only :func:`backend_for`, asked about any device, checks this."""
     if device.type == "cuda" and not torch.cuda.is_available():
         if torch.version.cuda is None:
             return f"this torch ({torch.__version__}) was built without CUDA"

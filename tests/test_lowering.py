@@ -42,8 +42,10 @@ def test_install_is_idempotent():
     assert {"dsv41::sparse_mla", "dsv41::sparse_mla_out", "dsv41::topk_to_slots", "dsv41::swa_indices"} <= set(names)
 
 
-def test_inline_decision():
-    """Inlined only on CUDA with the Triton backend and inlining on (fake CUDA tensors)."""
+def test_inline_decision(monkeypatch):
+    """Inlined only on CUDA with the Triton backend and inlining on (fake CUDA tensors, in a
+    process that answers as if it had a GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with FakeTensorMode():
         q = torch.empty(2, 4, 512, dtype=torch.bfloat16, device="cuda")
         ints = torch.empty(2, dtype=I32, device="cuda")
