@@ -2,9 +2,11 @@
 
 Each op family (``"sparse_mla"``, ``"slots"``, ``"combine"``) has backends registered in
 priority order with a predicate that returns ``None`` when the backend can run on a device
-and format, or a *reason* string when it cannot. ``"auto"`` takes the first backend whose
-predicate returns ``None``; an explicit choice that cannot run raises ``ValueError`` with
-the reason.
+and format, or a *reason* string when it cannot, and optionally a second one, ``limits``,
+that does the same for one call's validated arguments (alignment, widths): the op asks it,
+:func:`backend_for` (which has no arguments to show it) does not. ``"auto"`` takes the
+first backend that can run; an explicit choice that cannot raises ``ValueError`` with the
+reason. Backends verified on hardware come before the others.
 
 Choose with the module-level :data:`config` or, scoped, with :func:`use_backends`::
 
@@ -26,6 +28,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 Predicate = Callable[[torch.device, Optional[str]], Optional[str]]
+Limits = Callable[[tuple], Optional[str]]  # the op's validated arguments -> reason or None
 
 
 @dataclass
@@ -39,15 +42,16 @@ class BackendConfig:
 
 config = BackendConfig()
 _FAMILIES = tuple(f.name for f in fields(BackendConfig))
-_REGISTRY: dict[str, dict[str, tuple[Predicate, Callable]]] = {name: {} for name in _FAMILIES}
+_REGISTRY: dict[str, dict[str, tuple[Predicate, Optional[Limits], Callable]]] = {name: {} for name in _FAMILIES}
 
 
-def register_backend(family: str, name: str, predicate: Predicate, impl: Callable) -> None:
+def register_backend(family: str, name: str, predicate: Predicate, impl: Callable,
+                     limits: Optional[Limits] = None) -> None:
     """Register ``impl`` as backend ``name`` of ``family`` (earlier registrations win ``auto``)."""
-    _REGISTRY[family][name] = (predicate, impl)
+    _REGISTRY[family][name] = (predicate, limits, impl)
 
 
-def _check_family(family: str) -> dict[str, tuple[Predicate, Callable]]:
+def _check_family(family: str) -> dict[str, tuple[Predicate, Optional[Limits], Callable]]:
     if family not in _REGISTRY:
         raise ValueError(f"op family must be one of {list(_FAMILIES)}, got {family!r}")
     return _REGISTRY[family]
@@ -58,24 +62,33 @@ def backends(family: str) -> list[str]:
     return list(_check_family(family))
 
 
-def resolve(family: str, device: torch.device, kv_format: Optional[str] = None) -> tuple[str, Callable]:
-    """The backend name and implementation that ``family`` uses on ``device``."""
+def resolve(family: str, device: torch.device, kv_format: Optional[str] = None,
+            args: Optional[tuple] = None) -> tuple[str, Callable]:
+    """The backend name and implementation that ``family`` uses on ``device`` (for the
+    validated call ``args``, when given)."""
     registry = _check_family(family)
     choice = getattr(config, family)
     device = torch.device(device)
+
+    def unavailable(predicate, limits):
+        reason = predicate(device, kv_format)
+        if reason is None and limits is not None and args is not None:
+            reason = limits(args)
+        return reason
+
     if choice != "auto":
         if choice not in registry:
             raise ValueError(
                 f"compile_ops.config.{family} must be 'auto' or one of {list(registry)}, got {choice!r}"
             )
-        predicate, impl = registry[choice]
-        reason = predicate(device, kv_format)
+        predicate, limits, impl = registry[choice]
+        reason = unavailable(predicate, limits)
         if reason is not None:
             raise ValueError(f"backend {choice!r} cannot run {family} on {device}: {reason}")
         return choice, impl
     reasons = []
-    for name, (predicate, impl) in registry.items():
-        reason = predicate(device, kv_format)
+    for name, (predicate, limits, impl) in registry.items():
+        reason = unavailable(predicate, limits)
         if reason is None:
             return name, impl
         reasons.append(f"{name}: {reason}")

@@ -29,6 +29,7 @@ check them): ``bf16`` is exact for bf16 input (``2**-8 * |x|`` for fp32 input); 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +39,7 @@ from compile_ops import backends
 from compile_ops._checks import check_tensor
 
 HEAD_DIM = 512
+LOG2E = 1.0 / math.log(2.0)  # LSEs are base 2 everywhere: log2(x) = ln(x) * LOG2E
 E4M3_MAX = 448.0
 UE8M0_BIAS = 127
 AMAX_FLOOR = 1e-4
@@ -65,6 +67,26 @@ class KVFormat:
     @property
     def bytes_per_token(self) -> int:
         return self.data_bytes + self.scale_bytes
+
+    @property
+    def tensor_scaled(self) -> bool:
+        """e4m3 values under one per-tensor ``kv_scale`` (``fp8``)."""
+        return self.nope > 0 and self.block == 0
+
+    @property
+    def bf16_rope(self) -> bool:
+        """The RoPE values stored as bf16 after the e4m3 blocks (``fp8_ds_mla``)."""
+        return 0 < self.nope < HEAD_DIM
+
+    @property
+    def code(self) -> int:
+        """The kernels' compile-time format id: the position in :data:`KV_FORMATS`."""
+        return list(KV_FORMATS).index(self.name)
+
+    @property
+    def data_elems(self) -> int:
+        """Cache elements (of ``dtype``) in one token's data row."""
+        return self.data_bytes // torch.empty(0, dtype=self.dtype).element_size()
 
 
 KV_FORMATS: dict[str, KVFormat] = {

@@ -2,13 +2,24 @@
 
 On a machine without CUDA the Triton kernels run in Triton's interpreter: the switch is
 made once, here, before anything imports triton (Triton reads TRITON_INTERPRET at import).
-Tests marked ``gpu`` are skipped without CUDA; they run on the device machine.
+Tests marked ``gpu`` are skipped without CUDA; they run on the device machine. GPU-only
+test files end in ``_gpu.py``; ``scripts/`` holds programs the tests start (not tests).
+
+Hypothesis profiles: ``ci`` (the default, 100 examples per property) and ``deep`` (10 000),
+chosen with ``pytest --hypothesis-profile deep``; each property takes a share of them
+(``helpers.examples``).
 """
 
 import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+settings.register_profile("ci", max_examples=100, deadline=None)
+settings.register_profile("deep", max_examples=10_000, deadline=None)
+settings.load_profile("ci")
+collect_ignore = ["scripts"]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

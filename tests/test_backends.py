@@ -59,9 +59,10 @@ def test_the_op_runs_the_chosen_backend():
 
 
 def test_gluon_backend_priority_and_reason_off_gpu():
-    """The warp-specialized kernel comes before FlashMLA and the tl kernel; off sm_90 an
-    explicit choice of it says why it cannot run."""
-    assert compile_ops.backends.backends("sparse_mla") == ["flashinfer", "gluon", "flashmla", "triton", "reference"]
+    """Backends verified on hardware first (the warp-specialized kernel before FlashMLA and
+    the tl kernel), FlashInfer (never run on its GPUs) after them; off sm_90 an explicit
+    choice of the Gluon kernel says why it cannot run."""
+    assert compile_ops.backends.backends("sparse_mla") == ["gluon", "flashmla", "triton", "flashinfer", "reference"]
     with compile_ops.use_backends(sparse_mla="gluon"):
         with pytest.raises(ValueError, match="Gluon kernel runs on CUDA devices only"):
             compile_ops.backend_for("sparse_mla", "cpu")
@@ -107,3 +108,29 @@ def test_gluon_on_an_unsupported_triton_falls_back_to_tl(hopper_without_cuda, mo
     with compile_ops.use_backends(sparse_mla="gluon"):
         with pytest.raises(ValueError, match=r"Triton >= 3\.6, < 3\.9 .*got triton 3\.9\.0"):
             compile_ops.backend_for("sparse_mla", "cuda", "bf16")
+
+
+def test_a_call_the_gluon_kernel_cannot_read_goes_to_tl_or_raises(hopper_without_cuda, monkeypatch):
+    """The ``gluon`` backend's limits see the call: a cache whose pages are off 16 bytes
+    makes ``auto`` take the ``tl`` kernel and an explicit ``gluon`` raise why, never a
+    silent switch behind a backend name that says otherwise."""
+    pytest.importorskip("triton")
+    import triton
+
+    from compile_ops.mla.ops import _gluon_unavailable
+
+    monkeypatch.setattr(triton, "__version__", "3.8.0")
+    aligned = new_cache("fp8_dsv41", 2, 4)
+    odd = new_cache("fp8_dsv41", 2, 4, page_gap=3)  # page stride 4 * 528 + 3 bytes
+    q = torch.zeros(1, 2, 512, dtype=torch.bfloat16)
+    idx, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+
+    def chosen(cache):
+        args = (q, cache, idx, lens, None, None, None, None, 0.1, "fp8_dsv41", 1.0)
+        return backends.resolve("sparse_mla", torch.device("cuda"), "fp8_dsv41", args)[0]
+
+    assert _gluon_unavailable(torch.device("cuda"), "fp8_dsv41") is None
+    assert chosen(aligned) == "gluon" and chosen(odd) == "triton"
+    with compile_ops.use_backends(sparse_mla="gluon"):
+        with pytest.raises(ValueError, match="swa_cache's pages 16-byte aligned"):
+            chosen(odd)

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 import compile_ops
 
 import oracle
+from helpers import examples
 
-EXAMPLES = 100
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
+@settings(max_examples=examples(), deadline=None)
 @given(
     st.integers(1, 8),
     st.integers(1, 4),

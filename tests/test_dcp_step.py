@@ -1,7 +1,7 @@
 """The DCP attention step (:func:`compile_ops.dcp.dcp_sparse_mla`) against DCP=1 ``sparse_mla``:
 2 gloo processes on CPU, 2 NCCL processes on GPUs (eager, compiled, CUDA-graph replay).
 
-The worker lives in ``tests/dcp_step_runner.py``; its log lines give the max errors.
+The worker lives in ``tests/scripts/dcp_step_runner.py``; its log lines give the max errors.
 Tolerances (max over all elements): ``out`` within ``1e-2 + 2e-2 * |ref|`` (bf16 partials
 are rounded once more by the scale and the bf16 reduce-scatter), ``lse`` within
 ``1e-3 + 1e-4 * |ref|`` (fp32), and ``-inf`` exactly where the DCP=1 lse is ``-inf``.
@@ -13,7 +13,7 @@ import torch
 import compile_ops
 from compile_ops.dcp import dcp_sparse_mla
 
-from dcp_step_runner import Case, Shape, check_close, gpu_plan, launch
+from scripts.dcp_step_runner import Case, Shape, check_close, gpu_plan, launch
 
 SHAPES = {"T5": Shape(), "T1": Shape(T=1, K=3, n_cmp=10)}
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from compile_ops.formats import KV_FORMATS, get_format, new_cache, read_kv, write_kv
 
 import oracle
+from helpers import examples
 
-EXAMPLES = 60
 
 
 def bound(kv_format, x, kv_scale):
@@ -29,7 +29,7 @@ def bound(kv_format, x, kv_scale):
     return torch.cat([nope.reshape(x.shape[0], -1), 2.0**-8 * x[:, fmt.nope :].abs()], 1)
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
+@settings(max_examples=examples(0.6), deadline=None)
 @given(
     st.sampled_from(sorted(KV_FORMATS)),
     st.integers(1, 5),

@@ -1,7 +1,7 @@
 """CPU tests of ``lowering``: Inductor's code around the ops, reinplacing, export, AOTInductor.
 
 On the CPU the ops run their reference kernels and stay extern calls in Inductor's code
-(the Triton inlining is proven on the GPU by ``tests/gpu_lowering_check.py``). What is
+(the Triton inlining is proven on the GPU by ``tests/scripts/gpu_lowering_check.py``). What is
 checked here: the compiled decode step calls the ops on the caches and step buffers
 themselves (no clone / copy around them), ``sparse_mla_out`` and ``write_kv`` are
 re-inplaced (``possibly_missed_reinplacing_opportunities == 0``), the decision of what is

@@ -23,10 +23,20 @@ import compile_ops
 from compile_ops.formats import get_format, new_cache, num_slots, write_kv
 from compile_ops.mla import triton as mla_triton
 from compile_ops.mla.reference import sparse_mla_reference
+from helpers import make_cache, make_indices
 
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41"]
-# GPU tests run each kernel: its backend name and the launch config that selects it
-KERNELS = {"triton": None, "gluon": mla_triton.GLUON}
+# GPU tests run each kernel through its backend's entry point, bypassing the op's dispatch
+KERNELS = ["triton", "gluon"]
+
+
+def kernel_of(backend):
+    """The backend's kernel entry point: same arguments as the reference, plus ``out, lse``."""
+    if backend == "gluon":
+        from compile_ops.mla.gluon import sparse_mla_gluon
+
+        return sparse_mla_gluon
+    return mla_triton.sparse_mla_triton
 
 
 def needs(backend):
@@ -36,26 +46,6 @@ def needs(backend):
             compile_ops.backend_for("sparse_mla", torch.device("cuda"))
         except ValueError as err:
             pytest.skip(str(err))
-
-
-def make_cache(kv_format, num_pages, page_size, page_gap=0, kv_scale=1.0, device="cpu", gen=None):
-    cache = new_cache(kv_format, num_pages, page_size, device=device, page_gap=page_gap)
-    n = num_pages * page_size
-    kv = torch.randn(n, 512, generator=gen, device=device) * torch.rand(n, 1, generator=gen, device=device).mul(3).add(0.05)
-    write_kv(cache, torch.arange(n, dtype=torch.int32, device=device), kv, kv_format, kv_scale)
-    return cache
-
-
-def make_indices(T, width, n_slots, device="cpu", gen=None, holes=True):
-    """Slots with -1 holes, out-of-range values (negative and >= n_slots), duplicates, random lens (0 included)."""
-    lo, hi = (-2, n_slots + 3) if holes else (0, n_slots)
-    idx = torch.randint(lo, max(hi, lo + 1), (T, width), generator=gen, dtype=torch.int32, device=device)
-    lens = torch.randint(0, width + 1, (T,), generator=gen, dtype=torch.int32, device=device)
-    if width > 1:
-        idx[:, -1] = idx[:, 0]
-    if T > 1:
-        lens[0] = 0
-    return idx, lens
 
 
 def make_case(kv_format, T, H, W, K, page_size, *, sink="finite", page_gap=0, device="cpu", seed=0, pool_pages=None):
@@ -77,7 +67,7 @@ def make_case(kv_format, T, H, W, K, page_size, *, sink="finite", page_gap=0, de
     return (q, swa, swa_idx, swa_lens, *cmp, sinks[sink], sm_scale, kv_format, kv_scale)
 
 
-def run_both(args, **kw):
+def run_both(args, kernel="triton", **kw):
     q = args[0]
     T, H = q.shape[:2]
     ref_out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=q.device)
@@ -85,7 +75,7 @@ def run_both(args, **kw):
     sparse_mla_reference(*args, ref_out, ref_lse)
     out = torch.full_like(ref_out, float("nan"))  # poisoned: every element must be written
     lse = torch.full_like(ref_lse, float("nan"))
-    mla_triton.sparse_mla_triton(*args, out, lse, **kw)
+    kernel_of(kernel)(*args, out, lse, **kw)
     return out, lse, ref_out, ref_lse
 
 
@@ -118,7 +108,7 @@ def check(args, **kw):
     assert e_lse <= 1.0, f"lse error {e_lse:.3f} x tolerance"
 
 
-def check_every_byte(kv_format, H, device, config):
+def check_every_byte(kv_format, H, device, kernel="triton"):
     """Every e4m3 byte but the two NaNs (subnormals included), under UE8M0 scales from
     2^-117 to 2^118, dequantizes exactly: with q = 0 and one entry per token, each token's
     output is its key row, bit for bit (64 tokens, one page of 64 rows)."""
@@ -141,7 +131,7 @@ def check_every_byte(kv_format, H, device, config):
     idx = r.to(torch.int32)
     lens = torch.ones(page, dtype=torch.int32, device=device)
     args = (q, cache, idx, lens, None, None, None, None, 512**-0.5, kv_format, 1.0)
-    out, lse, ref_out, ref_lse = run_both(args, config=config)
+    out, lse, ref_out, ref_lse = run_both(args, kernel=kernel)
     assert ref_out.isfinite().all() and (ref_out != 0).any()
     assert torch.equal(out, ref_out)
     assert torch.equal(lse, ref_lse)
@@ -190,16 +180,16 @@ def test_interpreter_empty_rows():
 
 @pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla", "fp8_dsv41"])
 def test_interpreter_dequantizes_every_byte_exactly(kv_format):
-    check_every_byte(kv_format, 1, "cpu", None)
+    check_every_byte(kv_format, 1, "cpu")
 
 
-def test_gluon_config_refuses_the_interpreter():
+def test_gluon_kernel_refuses_the_interpreter():
     """The Gluon kernel has no interpreter: asking for it there is an error, not a silent
     fallback (the ``gluon`` backend's predicate keeps ``auto`` away from it off sm_90)."""
     args = make_case("bf16", 2, 4, 8, 8, 4, seed=0)
     out = torch.empty(2, 4, 512, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="Gluon kernel runs eagerly on sm_90 only"):
-        mla_triton.sparse_mla_triton(*args, out, torch.empty(2, 4), config=mla_triton.GLUON)
+        kernel_of("gluon")(*args, out, torch.empty(2, 4))
 
 
 # ---------------------------------------------------------------------------------- GPU
@@ -230,7 +220,7 @@ GPU_SHAPES = [
 def test_gpu_matches_reference(kv_format, H, K, T, page_size, backend):
     needs(backend)
     args = make_case(kv_format, T, H, 128, K, page_size, device="cuda", seed=H + K + T, pool_pages=4096 // page_size + 3)
-    check(args, config=KERNELS[backend])
+    check(args, kernel=backend)
 
 
 @pytest.mark.gpu
@@ -253,7 +243,7 @@ def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
     args[3][2] = 0  # a token with no SWA entries
     args[6][4] = 0  # and one with no compressed entries
     for n_split in (1, 3, 7):
-        check(tuple(args), n_split=n_split, config=KERNELS[backend])
+        check(tuple(args), n_split=n_split, kernel=backend)
 
 
 @pytest.mark.gpu
@@ -269,7 +259,7 @@ def test_gpu_full_segments(kv_format, backend):
     args[3][1] = 100  # a short window
     args[6][4] = 0  # no compressed entries
     for n_split in (None, 1, 5):
-        check(tuple(args), n_split=n_split, config=KERNELS[backend])
+        check(tuple(args), n_split=n_split, kernel=backend)
 
 
 @pytest.mark.gpu
@@ -278,7 +268,7 @@ def test_gpu_full_segments(kv_format, backend):
 def test_gpu_dequantizes_every_byte_exactly(kv_format, backend):
     """:func:`check_every_byte` on the GPU, 64 heads, both kernels."""
     needs(backend)
-    check_every_byte(kv_format, 64, "cuda", KERNELS[backend])
+    check_every_byte(kv_format, 64, "cuda", backend)
 
 
 @pytest.mark.gpu
@@ -370,7 +360,7 @@ def test_gpu_matches_flashmla(H, K, T, backend):
     sink = torch.randn(H, generator=gen, device="cuda")
     sm_scale = 512**-0.5
     args = (q, swa, swa_idx, swa_lens, cmp, cmp_idx, cmp_lens, sink, sm_scale, "fp8_ds_mla", 1.0)
-    out, lse, ref_out, ref_lse = run_both(args, config=KERNELS[backend])
+    out, lse, ref_out, ref_lse = run_both(args, kernel=backend)
     sched, _ = flash_mla.get_mla_metadata()
     fm_out, fm_lse = flash_mla.flash_mla_with_kvcache(
         q.view(T, 1, H, 512), cmp.unsqueeze(2), None, None, 512, sched,

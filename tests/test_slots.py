@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 import compile_ops
 
 import oracle
+from helpers import examples
 
-EXAMPLES = 100
 
 tables = st.fixed_dictionaries(
     {
@@ -44,14 +44,14 @@ def assert_slots(got, want):
     np.testing.assert_array_equal(lens.numpy(), want[1])
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
+@settings(max_examples=examples(), deadline=None)
 @given(tables)
 def test_topk_to_slots_matches_oracle(c):
     args = build(c)
     assert_slots(compile_ops.topk_to_slots(*args), oracle.topk_to_slots(*args))
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
+@settings(max_examples=examples(), deadline=None)
 @given(tables, st.integers(1, 8), st.sampled_from([1, 2, 4, 64]), st.data())
 def test_dcp_topk_to_slots_matches_oracle(c, world, interleave, data):
     rank = data.draw(st.integers(0, world - 1))
@@ -59,7 +59,7 @@ def test_dcp_topk_to_slots_matches_oracle(c, world, interleave, data):
     assert_slots(compile_ops.dcp_topk_to_slots(*args), oracle.dcp_topk_to_slots(*args))
 
 
-@settings(max_examples=EXAMPLES // 2, deadline=None)
+@settings(max_examples=examples(0.5), deadline=None)
 @given(tables, st.integers(1, 8), st.sampled_from([1, 4]))
 def test_dcp_shards_partition_the_single_rank_slots(c, world, interleave):
     """Every valid id lands on exactly one rank: the per-rank counts add up to world 1's."""
@@ -73,7 +73,7 @@ def test_dcp_shards_partition_the_single_rank_slots(c, world, interleave):
     assert torch.equal(total, unsharded)
 
 
-@settings(max_examples=EXAMPLES, deadline=None)
+@settings(max_examples=examples(), deadline=None)
 @given(tables, st.integers(1, 300), st.data())
 def test_swa_indices_matches_oracle(c, window, data):
     gen = torch.Generator().manual_seed(c["seed"])

@@ -9,28 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compile_ops
-from compile_ops.formats import KV_FORMATS, new_cache, write_kv
+from compile_ops.formats import KV_FORMATS, new_cache
 
 import oracle
-
-EXAMPLES = 100
-
-
-def make_cache(gen, kv_format, num_pages, page_size, page_gap, kv_scale):
-    cache = new_cache(kv_format, num_pages, page_size, page_gap=page_gap)
-    n = num_pages * page_size
-    kv = torch.randn(n, 512, generator=gen) * torch.rand(n, 1, generator=gen).mul(3).add(0.05)
-    write_kv(cache, torch.arange(n, dtype=torch.int32), kv, kv_format, kv_scale)
-    return cache
-
-
-def make_indices(gen, T, width, n_slots):
-    """Slots with -1 holes, out-of-range values (negative and >= n_slots) and duplicates."""
-    idx = torch.randint(-2, n_slots + 3, (T, width), generator=gen, dtype=torch.int32)
-    lens = torch.randint(0, width + 1, (T,), generator=gen, dtype=torch.int32)
-    if width:
-        idx[:, -1] = idx[:, 0]
-    return idx, lens
+from helpers import examples, make_cache, make_indices
 
 
 case = st.fixed_dictionaries(
@@ -54,13 +36,13 @@ def build(c):
     gen = torch.Generator().manual_seed(c["seed"])
     kv_scale = 0.5 if c["kv_format"] == "fp8" else 1.0
     swa_pages = max(1, min(c["num_pages"], 64 // c["page_size"] + 1))
-    swa_cache = make_cache(gen, c["kv_format"], swa_pages, c["page_size"], c["page_gap"], kv_scale)
-    swa_idx, swa_lens = make_indices(gen, c["T"], c["W"], swa_pages * c["page_size"])
+    swa_cache = make_cache(c["kv_format"], swa_pages, c["page_size"], c["page_gap"], kv_scale, gen=gen)
+    swa_idx, swa_lens = make_indices(c["T"], c["W"], swa_pages * c["page_size"], gen=gen)
     cmp = (None, None, None)
     if c["with_cmp"]:
         cmp_pages = min(c["num_pages"], 64 // c["page_size"] + 1)
-        cmp_cache = make_cache(gen, c["kv_format"], cmp_pages, c["page_size"], 0, kv_scale)
-        cmp = (cmp_cache, *make_indices(gen, c["T"], c["K"], cmp_pages * c["page_size"]))
+        cmp_cache = make_cache(c["kv_format"], cmp_pages, c["page_size"], 0, kv_scale, gen=gen)
+        cmp = (cmp_cache, *make_indices(c["T"], c["K"], cmp_pages * c["page_size"], gen=gen))
     q = torch.randn(c["T"], c["H"], 512, generator=gen).to(torch.bfloat16)
     sink = {
         "none": None,
@@ -84,7 +66,7 @@ def assert_matches_oracle(out, lse, args):
     assert np.allclose(got_lse[finite], want_lse[finite], rtol=1e-5, atol=1e-4)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case)
 def test_sparse_mla_matches_float64_oracle(c):
     args = build(c)
@@ -94,7 +76,7 @@ def test_sparse_mla_matches_float64_oracle(c):
     assert_matches_oracle(out, lse, args)
 
 
-@settings(max_examples=EXAMPLES // 4, deadline=None)
+@settings(max_examples=examples(0.25), deadline=None)
 @given(case)
 def test_sparse_mla_out_fills_caller_buffers(c):
     args = build(c)

@@ -124,6 +124,17 @@ def flashinfer_unavailable(device: torch.device, kv_format: Optional[str]) -> Op
     )
 
 
+def flashinfer_args_unsupported(args: tuple) -> Optional[str]:
+    """The ``flashinfer`` backend's limits on one call's ``sparse_mla`` arguments: the SWA
+    width its kernels take (SM100: at most 128 columns; SM120: at most 1024)."""
+    q, swa_indices = args[0], args[2]
+    major = torch.cuda.get_device_capability(q.device)[0]
+    width = SM100_SWA_COLUMNS if major == 10 else SM120_SWA_WIDTHS[-1]
+    if swa_indices.shape[1] > width:
+        return f"FlashInfer's SM{major}x kernels take at most {width} SWA columns, got swa_indices of width {swa_indices.shape[1]}"
+    return None
+
+
 # ----------------------------------------------------------------------------- workspace
 
 _WORKSPACES: dict[torch.device, Tensor] = {}

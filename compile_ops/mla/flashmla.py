@@ -135,17 +135,21 @@ def write_outputs(fm_out, fm_lse, sink, out, lse, h0: int, n_heads: int) -> None
     )
 
 
+def flashmla_args_unsupported(args: tuple) -> Optional[str]:
+    """The ``flashmla`` backend's limits on one call's ``sparse_mla`` arguments: FlashMLA's
+    SM90 kernels read pages aligned to 576 bytes."""
+    for name, cache in (("swa_cache", args[1]), ("cmp_cache", args[4])):
+        if cache is not None and cache.shape[0] > 1 and cache.stride(0) % PAGE_ALIGN_BYTES:
+            return (f"FlashMLA needs {name}'s pages {PAGE_ALIGN_BYTES}-byte aligned (stride(0) % "
+                    f"{PAGE_ALIGN_BYTES} == 0), got stride(0) = {cache.stride(0)}; compile_ops.formats.new_cache "
+                    "makes such caches")
+    return None
+
+
 def sparse_mla_flashmla(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse):
     """Fill ``out`` / ``lse`` through ``flash_mla.flash_mla_with_kvcache(..., use_legacy=True)``."""
     import flash_mla
 
-    for name, cache in (("swa_cache", swa_cache), ("cmp_cache", cmp_cache)):
-        if cache is not None and cache.shape[0] > 1 and cache.stride(0) % PAGE_ALIGN_BYTES:
-            raise ValueError(
-                f"the flashmla backend needs {name}'s pages {PAGE_ALIGN_BYTES}-byte aligned "
-                f"(stride(0) % {PAGE_ALIGN_BYTES} == 0), got stride(0) = {cache.stride(0)}; make the cache "
-                "with compile_ops.formats.new_cache or choose another backend with use_backends"
-            )
     T, H, _ = q.shape
     swa_idx, swa_n = bound_indices(swa_indices, swa_lens, swa_cache.shape[0] * swa_cache.shape[1])
     if cmp_cache is None:

@@ -1,53 +1,33 @@
 """Warp-specialized Gluon kernel for ``dsv41::sparse_mla`` on Hopper (sm_90): backend ``"gluon"``.
 
-Same contract, arguments, split-K scheme and host side as the ``tl`` kernel in
-:mod:`compile_ops.mla.triton` (which stays the interpreter twin, the kernel Inductor can
-inline, and the fallback off sm_90 or for caches whose rows are not 16-byte aligned); only
+Same contract, arguments, launch plan (:mod:`compile_ops.mla.plan`) and LSE merge
+(:mod:`compile_ops.mla.merge`) as the ``tl`` kernel of :mod:`compile_ops.mla.triton`; only
 the schedule on the SM differs. One program owns one token, 64 heads and a range of 64-row
 blocks (SWA blocks first), and runs three warpgroups:
 
-* a **producer** warpgroup (4 warps, 112 registers) fills a ring of two bf16 key tiles
-  in shared memory. ``bf16`` rows go by ``cp.async`` straight into the MMA layout and
-  ``ready``'s phase waits for them (the producer never does), so two blocks can be in
-  flight. The fp8 formats' raw bytes of columns 0..255 go by ``cp.async`` into a 16 KB
-  staging buffer while the previous block is converted, the rest (and ``fp8_ds_mla``'s
-  bf16 RoPE columns) into the tile once it is free; the producer converts the staged
-  columns into the tile while the rest lands, then the rest in place, 64 columns at a
-  time (``cvt.rn.f16x2.e4m3x2``, then one ``mul.rn.bf16x2`` by the UE8M0 scale per two
-  values, exact), and signals
-  ``ready``. Every block's slots are loaded two blocks ahead, so no copy waits for an
-  index load; each row's score bias (0, or ``-inf`` for a hole) goes next to the tile;
-* consumer **warpgroup 0** (the default partition) computes the whole ``S = Q K^T`` of a block
-  (``wgmma`` m64n64, reading Q once), the online softmax, and ``O[:, :256] += P K[:, :256]``
-  with ``P`` from registers (issued first, so it runs while warpgroup 0 hands ``P`` and
-  the rescale factor over through shared memory); it hands them to
-* consumer **warpgroup 1**, which loads ``P`` into registers, frees the hand-over buffer
-  and only computes ``O[:, 256:] += P K[:, 256:]``, so its product overlaps warpgroup 0's
-  next ``Q K^T`` and softmax (with ``P`` read by ``ld.shared``, not by ``wgmma``, the
-  hand-over needs no async-proxy fence: 2-5 % faster). Each releases the tile
-  (``empty``) after its own product. Every product runs per 64-column block (m64n64:
-  ``Q K^T`` as eight chained steps, each half of ``P K`` as four accumulators), which
-  made ``bf16`` 6-10 % faster than m64n256 / m64n128 products (fp8 formats unchanged).
-  Each warpgroup stores its own half of the output at the end; bf16 output goes through
-  shared memory that is no longer read (Q's buffer, a key tile), so that every warp
-  instruction writes a whole row (H200: 5-12 % faster at T >= 128).
+* a **producer** (4 warps) gathers each block's rows into a ring of two bf16 key tiles in
+  shared memory: ``bf16`` rows by ``cp.async`` straight into the MMA layout; the fp8
+  formats' raw bytes by ``cp.async`` into a staging buffer and the tile, converted in place
+  (``cvt.rn.f16x2.e4m3x2``, then one exact ``mul.rn.bf16x2`` by the UE8M0 scale per two
+  values). Slots are loaded two blocks ahead, so no copy waits for an index load;
+* consumer **warpgroup 0** computes ``S = Q K^T`` (``wgmma`` m64n64, reading Q once), the
+  online softmax and ``O[:, :256] += P K[:, :256]``, and hands ``P`` and the rescale factor
+  to
+* consumer **warpgroup 1**, which computes ``O[:, 256:] += P K[:, 256:]`` while warpgroup 0
+  starts the next block.
 
-So the gather and dequantization of block ``i + 1`` run on the producer's warps while the
-tensor cores work on block ``i`` (FlashMLA's SM90 sparse decoding splits its warps the same
-way; Triton's Gluon tutorials show the ``warp_specialize`` / ``mbarrier`` idiom). Shared
-memory holds Q (64 KB), the two tiles (128 KB), P (8 KB) and for the fp8 formats the 16 KB
-staging buffer: a third key tile does not fit, which bounds the ``bf16`` gather to at most
-two 64 KB blocks in flight per SM. The kernel is a programmatic dependent launch: its
-programs may start while the stream's previous kernel runs (the previous call's LSE merge
-lets them), and each partition waits on the device for that kernel before touching global
-memory (H200, 20 calls back to back at T = 1: 1.0-1.2 us per call faster). After a split-K
-launch the LSE merge starts the same way, waiting on the device for this kernel. With few
-programs (small T) two programs share each (token, head block, split), each computing and
-storing 256 of the 512 output columns (``DSPLIT = 2``, chosen by the host). Measured on the H200 in
-``docs/performance-sparse-mla.md``; the design log is ``docs/notes-sparse-mla.md``.
+So the gather and dequantization of block ``i + 1`` overlap the tensor-core work on block
+``i`` (FlashMLA's SM90 sparse decoding splits its warps the same way; Triton's Gluon
+tutorials show the ``warp_specialize`` / ``mbarrier`` idiom). The kernel is a programmatic
+dependent launch: its programs may start while the stream's previous kernel runs, and every
+partition waits on the device for it before touching global memory. With few programs
+(small ``T``) two programs share each (token, head block, split), each storing 256 of the
+512 output columns (``DSPLIT = 2``). How it works in full: ``docs/gluon.md``; figures:
+``docs/performance-sparse-mla.md``.
 """
-
 from __future__ import annotations
+
+from typing import Optional
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -59,7 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from compile_ops.mla.triton import GLUON, UNSPECIALIZED, sparse_mla_triton
+from compile_ops import formats
+from compile_ops.mla.merge import merge
+from compile_ops.mla.plan import BN, UNSPECIALIZED, Workspace, plan
 
 # The Gluon names that differ across the supported Triton releases (3.6 to 3.9), each the
 # same operation under its newer name where the installed Triton has it: 3.7 renamed
@@ -70,7 +52,8 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
 
-BN = 64  # gathered rows per block (= the tl kernel's default Config().bn: same split-K)
+LOG2E = gl.constexpr(formats.LOG2E)
+
 STAGES = 2  # key tiles in flight: Q (64 KB) + 2 x 64 KB + P (8 KB) (+ 16 KB fp8 staging) fill the 227 KB
 # the producer's registers per thread (no spills in any format); the rest of 168 x 12 warps
 # goes to the consumers (warpgroup 0: 504 - 176 - 112 = 216; it spills at 208)
@@ -186,8 +169,8 @@ def _dequantize(src, NB: gl.constexpr, off: gl.constexpr, tile, scales, j0: gl.c
     """The e4m3 bytes of column blocks ``j0 <= j < j1`` (64 columns of every row, 4 KB at
     ``_raw_words(src, NB)[off + j]``) -> bf16 columns ``64 j .. 64 j + 63`` of
     ``tile``, times their UE8M0 scale bytes (``scales[row, NS j ..]``; ``fp8`` has none).
-    Block ``j + 1`` is loaded before block ``j`` is stored (the pass is latency-bound: 6-9 %
-    faster than in turn)."""
+    Block ``j + 1`` is loaded before block ``j`` is stored: the pass is bound by load
+    latency, which this overlaps."""
     NS: gl.constexpr = 2 if FMT == 3 else 1  # scale bytes per 64 columns
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, NS, 4 // NS], [4, 1, 1], [2, 1, 0])
     raw = _raw_words(src, NB, FMT, BN)
@@ -386,7 +369,7 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
     rescale factor to :func:`_consumer_right` through shared memory, and the final row max
     and sum after the last block; then stores its output column blocks and the LSE
     (:func:`_epilogue`) here, not after ``warp_specialize``, which returns only once every
-    partition has finished: so both halves' stores overlap (T = 1: 0.6-0.7 us)."""
+    partition has finished: so both halves' stores overlap."""
     _wait_prior_grid()
     swa_len, cmp_len, W, K, n_split = span_args
     _, _, _, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
@@ -416,8 +399,8 @@ def _consumer_left(q_smem, kbuf, bias, p_smem, alpha_smem, ml_smem, ready, empty
                               use_acc=c > 0, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         p, alpha, m_i, l_i = _softmax(s, bias.index(st).load(gl.SliceLayout(0, S_L)), m_i, l_i, qk_scale)
-        # this half's P K goes out first and runs while P is handed over (bf16 / fp8 3-4 %
-        # faster at H = 128, with the rescales in _pv_async)
+        # this half's P K goes out first and runs while P is handed over (the rescales are
+        # in _pv_async)
         o = _pv_async(gl.convert_layout(p, P_L), gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), chunks,
                       st * 8 + c_left, o, NCB)
         mbarrier.wait(p_free, (i & 1) ^ 1, pred=i > 0)  # the right half has used P of block i - 1
@@ -502,10 +485,10 @@ def _epilogue(o, m_i, l_i, c0, i_t, i_hb, i_s, epilogue_args, buf, NCB: gl.const
     ``o``): normalised output and base-2 LSE (``-inf`` when it saw nothing) into the
     partials; with one split, fold the sink in and write ``out`` and ``lse`` directly. The
     caller with column 0 writes the LSE. The bf16 output goes through ``buf`` (shared memory
-    no one reads any more) so that each warp writes whole rows: straight from the ``wgmma``
-    layout a warp instruction writes 16 bytes in each of eight rows (H200, T=512: 9-12 %
-    slower in bf16, 6-10 % in fp8_ds_mla). The fp32 partials are stored straight: 32 bytes
-    per row, and the round trip through shared memory cost 0.5-0.9 us at T = 1."""
+    no one reads any more) so that each warp writes whole rows (straight from the ``wgmma``
+    layout a warp instruction writes 16 bytes in each of eight rows). The fp32 partials are
+    stored straight: 32 bytes per row already, so a round trip through shared memory would
+    only add latency."""
     out, lse, part_o, part_lse, sink, T, H, n_split, has_sink, kv_scale = epilogue_args
     O_L: gl.constexpr = o[0].type.layout
     o_h = i_hb * 64 + gl.arange(0, 64, gl.SliceLayout(1, O_L))
@@ -514,7 +497,7 @@ def _epilogue(o, m_i, l_i, c0, i_t, i_hb, i_s, epilogue_args, buf, NCB: gl.const
     lse_p = gl.where(l_i > 0, gl.where(m_i == float("-inf"), 0.0, m_i) + gl.log2(l_i), float("-inf"))
     if n_split == 1:
         # fold the sink in: one more partial, with lse = sink * log2(e) and output 0
-        sk = gl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * 1.4426950408889634
+        sk = gl.load(sink + o_h, mask=m_h & (has_sink != 0), other=float("-inf")) * LOG2E
         mx = gl.maximum(lse_p, sk)
         mx = gl.where(mx == float("-inf"), 0.0, mx)
         lse_all = mx + gl.log2(gl.exp2(lse_p - mx) + gl.exp2(sk - mx))
@@ -627,13 +610,20 @@ def launch_options(fmt: int, data: int, scale_bytes: int, page_shift: bool, dspl
     )
 
 
-def launch(grid, launch_args, fmt: int, data: int, scale_bytes: int, page_shift: bool, dsplit: int) -> None:
-    """Launch :func:`_sparse_mla_ws_kernel` with the ``tl`` kernel's arguments (see
-    :func:`compile_ops.mla.triton.sparse_mla_triton`, which validates and prepares them)."""
-    _sparse_mla_ws_kernel[grid](*launch_args, **launch_options(fmt, data, scale_bytes, page_shift, dsplit))
-
-
-def sparse_mla_gluon(*args) -> None:
-    """The ``"gluon"`` backend of ``dsv41::sparse_mla``: :func:`sparse_mla_triton`'s host side
-    (validation, split-K choice, static scratch, LSE merge kernel) around this kernel."""
-    sparse_mla_triton(*args, config=GLUON)
+def sparse_mla_gluon(
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale,
+    out, lse, *, workspace: Optional[Workspace] = None, n_split: Optional[int] = None,
+) -> None:
+    """The ``"gluon"`` backend of ``dsv41::sparse_mla``: arguments, launch plan and LSE merge
+    as :func:`compile_ops.mla.triton.sparse_mla_triton`'s, around this kernel. The backend's
+    predicate has checked the layout (:func:`compile_ops.mla.plan.gluon_layout_unsupported`)."""
+    launch = plan(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale,
+                  kv_format, kv_scale, out, lse, split_small_T=True, n_split=n_split, workspace=workspace)
+    if launch is None:
+        return
+    if launch.traced or q.device.type != "cuda":
+        raise RuntimeError("the Gluon kernel runs eagerly on sm_90 only: not traced, not interpreted")
+    fmt = launch.fmt
+    options = launch_options(fmt.code, fmt.data_elems, fmt.scale_bytes, launch.page_shift, launch.dsplit)
+    _sparse_mla_ws_kernel[launch.grid](*launch.args, **options)
+    merge(launch, q, out, lse, after_gluon=True)

@@ -6,6 +6,7 @@ compressed index columns; every head is 512 wide (448 NoPE + 64 RoPE), value = k
 
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -76,8 +77,9 @@ def sparse_mla_out(
 ) -> None:
     _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
     _check_outputs(q, out, lse)
-    _, impl = backends.resolve("sparse_mla", q.device, kv_format)
-    impl(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse)
+    args = (q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    _, impl = backends.resolve("sparse_mla", q.device, kv_format, args)
+    impl(*args, out, lse)
 
 
 @sparse_mla_out.register_fake
@@ -102,8 +104,9 @@ def sparse_mla(
 ) -> tuple[Tensor, Tensor]:
     _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
     out, lse = _new_outputs(q)
-    _, impl = backends.resolve("sparse_mla", q.device, kv_format)
-    impl(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse)
+    args = (q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    _, impl = backends.resolve("sparse_mla", q.device, kv_format, args)
+    impl(*args, out, lse)
     return out, lse
 
 
@@ -168,11 +171,23 @@ are required here. Use it with static buffers under CUDA-graph capture.
 """
 
 
-def _sparse_mla_triton(*args):
-    # imported on first call, so that `import compile_ops` does not import triton
-    from compile_ops.mla.triton import sparse_mla_triton
+def _imported(module: str, name: str):
+    """``module.name``, imported on its first call: ``import compile_ops`` imports no
+    backend module (and so neither triton nor a vendor library)."""
 
-    sparse_mla_triton(*args)
+    def call(*args):
+        return getattr(importlib.import_module(module), name)(*args)
+
+    return call
+
+
+def _layout_limits(module: str, name: str):
+    """A backend's ``limits``: ``module.name(args)``, imported once the predicate has passed."""
+
+    def limits(args):
+        return getattr(importlib.import_module(module), name)(args)
+
+    return limits
 
 
 # Triton releases whose sm_90 build of the Gluon kernel is tested spill-free
@@ -211,12 +226,6 @@ def _gluon_unavailable(device, kv_format):
     return gluon_triton_unsupported(triton.__version__)
 
 
-def _sparse_mla_gluon(*args):
-    from compile_ops.mla.gluon import sparse_mla_gluon
-
-    sparse_mla_gluon(*args)
-
-
 def _flashmla_unavailable(device, kv_format):
     if device.type != "cuda":  # decided before importing the backend module, which imports triton
         return f"FlashMLA runs on CUDA devices only, got {device.type}"
@@ -227,12 +236,6 @@ def _flashmla_unavailable(device, kv_format):
     return flashmla_unavailable(device, kv_format)
 
 
-def _sparse_mla_flashmla(*args):
-    from compile_ops.mla.flashmla import sparse_mla_flashmla
-
-    sparse_mla_flashmla(*args)
-
-
 def _flashinfer_unavailable(device, kv_format):
     # the predicate module imports only torch; flashinfer itself is imported on first use
     from compile_ops.mla.flashinfer import flashinfer_unavailable
@@ -240,17 +243,16 @@ def _flashinfer_unavailable(device, kv_format):
     return flashinfer_unavailable(device, kv_format)
 
 
-def _sparse_mla_flashinfer(*args):
-    from compile_ops.mla.flashinfer import sparse_mla_flashinfer
-
-    sparse_mla_flashinfer(*args)
-
-
-# FlashInfer first: SM100/SM120 only (unverified on hardware, see docs/backends.md)
-backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable, _sparse_mla_flashinfer)
-# Gluon before FlashMLA: on the H200, fp8_ds_mla behind this op, Gluon is faster at every T for
-# H = 64 and H = 128 (1.2-5.1x, docs/performance-sparse-mla.md)
-backends.register_backend("sparse_mla", "gluon", _gluon_unavailable, _sparse_mla_gluon)
-backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable, _sparse_mla_flashmla)
-backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _sparse_mla_triton)
+# Verified on hardware first: the Gluon kernel (sm_90), FlashMLA (sm_90, fp8_ds_mla, reached
+# only where Gluon refuses), the tl kernel (any CUDA GPU); FlashInfer (SM100/SM120), never
+# run on such a GPU, only when chosen; the reference everywhere.
+backends.register_backend("sparse_mla", "gluon", _gluon_unavailable, _imported("compile_ops.mla.gluon", "sparse_mla_gluon"),
+                          limits=_layout_limits("compile_ops.mla.plan", "gluon_args_unsupported"))
+backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable,
+                          _imported("compile_ops.mla.flashmla", "sparse_mla_flashmla"),
+                          limits=_layout_limits("compile_ops.mla.flashmla", "flashmla_args_unsupported"))
+backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _imported("compile_ops.mla.triton", "sparse_mla_triton"))
+backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable,
+                          _imported("compile_ops.mla.flashinfer", "sparse_mla_flashinfer"),
+                          limits=_layout_limits("compile_ops.mla.flashinfer", "flashinfer_args_unsupported"))
 backends.register_backend("sparse_mla", "reference", backends.any_device, sparse_mla_reference)

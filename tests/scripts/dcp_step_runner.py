@@ -8,7 +8,7 @@ and as a captured CUDA graph replayed with new indices, lengths and queries.
 
 Run directly on a machine with 2 GPUs (what ``tests/test_dcp_step.py`` does)::
 
-    python tests/dcp_step_runner.py --world 2
+    python tests/scripts/dcp_step_runner.py --world 2
 """
 
 from __future__ import annotations

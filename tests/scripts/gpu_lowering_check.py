@@ -1,4 +1,4 @@
-"""GPU proof of ``lowering`` (one H200 run, < 2 minutes): ``python tests/gpu_lowering_check.py``.
+"""GPU proof of ``lowering`` (one H200 run, < 2 minutes): ``python tests/scripts/gpu_lowering_check.py``.
 
 1. Inductor: ``torch.compile`` of the tiny layer's ``DecodeStep`` (ratio 2, fp8_dsv41);
    FileCheck that the Triton kernels of ``sparse_mla`` / ``swa_indices`` /
@@ -33,7 +33,7 @@ import zipfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import compile_ops  # noqa: E402
 import lowering  # noqa: E402  (installs the Inductor rules)

@@ -1,0 +1,34 @@
+"""Helpers the tests share: caches filled with random rows, index tables with every kind of
+invalid entry, and the hypothesis example counts of the active profile."""
+
+import torch
+from hypothesis import settings
+
+from compile_ops.formats import new_cache, write_kv
+
+
+def examples(share: float = 1.0) -> int:
+    """``share`` of the active hypothesis profile's examples per property (``ci`` by
+    default, ``deep`` with ``pytest --hypothesis-profile deep``; see ``conftest.py``)."""
+    return max(1, int(settings.default.max_examples * share))
+
+
+def make_cache(kv_format, num_pages, page_size, page_gap=0, kv_scale=1.0, device="cpu", gen=None):
+    """A cache of random rows of varied magnitude, written with the reference quantizer."""
+    cache = new_cache(kv_format, num_pages, page_size, device=device, page_gap=page_gap)
+    n = num_pages * page_size
+    kv = torch.randn(n, 512, generator=gen, device=device) * torch.rand(n, 1, generator=gen, device=device).mul(3).add(0.05)
+    write_kv(cache, torch.arange(n, dtype=torch.int32, device=device), kv, kv_format, kv_scale)
+    return cache
+
+
+def make_indices(T, width, n_slots, device="cpu", gen=None, holes=True):
+    """Slots with -1 holes, out-of-range values (negative and >= n_slots), duplicates, random lens (0 included)."""
+    lo, hi = (-2, n_slots + 3) if holes else (0, n_slots)
+    idx = torch.randint(lo, max(hi, lo + 1), (T, width), generator=gen, dtype=torch.int32, device=device)
+    lens = torch.randint(0, width + 1, (T,), generator=gen, dtype=torch.int32, device=device)
+    if width > 1:
+        idx[:, -1] = idx[:, 0]
+    if T > 1:
+        lens[0] = 0
+    return idx, lens
