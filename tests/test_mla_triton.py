@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import compile_ops
+from compile_ops import backends
 from compile_ops.formats import get_format, new_cache, num_slots, write_kv
 from compile_ops.mla import triton as mla_triton
 from compile_ops.mla.reference import sparse_mla_reference
@@ -237,9 +238,20 @@ def test_gpu_auto_is_gluon_on_sm90(kv_format):
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
     """Non-power-of-two pages, an odd page stride (fp8_ds_mla's unaligned RoPE), H = 70
-    (a partial head block) and split-K forced to 1, 3 and 7 with empty rows among them."""
+    (a partial head block) and split-K forced to 1, 3 and 7 with empty rows among them. The
+    Gluon kernel reads pages 16 bytes at a time: it refuses the odd stride (a direct call
+    and the op alike) and runs the rest on aligned pages."""
     needs(backend)
-    args = list(make_case(kv_format, 9, 70, 128, 300, 48, page_gap=5, device="cuda", seed=3, pool_pages=40))
+    odd = list(make_case(kv_format, 9, 70, 128, 300, 48, page_gap=5, device="cuda", seed=3, pool_pages=40))
+    if backend == "gluon":
+        out, lse = torch.empty(9, 70, 512, dtype=torch.bfloat16, device="cuda"), torch.empty(9, 70, device="cuda")
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            kernel_of("gluon")(*odd, out, lse)
+        with compile_ops.use_backends(sparse_mla="gluon"), pytest.raises(ValueError, match="16-byte aligned"):
+            compile_ops.sparse_mla_out(*odd, out, lse)
+        assert backends.resolve("sparse_mla", torch.device("cuda"), kv_format, tuple(odd))[0] == "triton"
+    gap = 0 if backend == "gluon" else 5
+    args = list(make_case(kv_format, 9, 70, 128, 300, 48, page_gap=gap, device="cuda", seed=3, pool_pages=40))
     args[3][2] = 0  # a token with no SWA entries
     args[6][4] = 0  # and one with no compressed entries
     for n_split in (1, 3, 7):

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from compile_ops import formats
 from compile_ops.mla.merge import merge
-from compile_ops.mla.plan import BN, UNSPECIALIZED, Workspace, plan
+from compile_ops.mla.plan import BN, UNSPECIALIZED, Workspace, gluon_layout_unsupported, plan
 
 # The Gluon names that differ across the supported Triton releases (3.6 to 3.9), each the
 # same operation under its newer name where the installed Triton has it: 3.7 renamed
@@ -615,8 +615,12 @@ def sparse_mla_gluon(
     out, lse, *, workspace: Optional[Workspace] = None, n_split: Optional[int] = None,
 ) -> None:
     """The ``"gluon"`` backend of ``dsv41::sparse_mla``: arguments, launch plan and LSE merge
-    as :func:`compile_ops.mla.triton.sparse_mla_triton`'s, around this kernel. The backend's
-    predicate has checked the layout (:func:`compile_ops.mla.plan.gluon_layout_unsupported`)."""
+    as :func:`compile_ops.mla.triton.sparse_mla_triton`'s, around this kernel. Raises
+    ``ValueError`` for a layout the kernel cannot read
+    (:func:`compile_ops.mla.plan.gluon_layout_unsupported`; the op's dispatch asks first)."""
+    reason = gluon_layout_unsupported(q, swa_cache, cmp_cache)
+    if reason is not None:
+        raise ValueError(reason)
     launch = plan(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale,
                   kv_format, kv_scale, out, lse, split_small_T=True, n_split=n_split, workspace=workspace)
     if launch is None:
