@@ -1,7 +1,8 @@
 """Which implementation runs an op: explicit, overridable, never read from the environment.
 
 Each op family (``"sparse_mla"``, ``"slots"``, ``"combine"``) has backends registered in
-priority order with a predicate that returns ``None`` when the backend can run on a device
+priority order, every one the same way: a name, a mapping from each of the family's ops to
+the function that runs it, a predicate that returns ``None`` when the backend can run on a device
 and format, or a *reason* string when it cannot, and optionally a second one, ``limits``,
 that does the same for one call's validated arguments (alignment, widths): the op asks it,
 :func:`backend_for` (which has no arguments to show it) does not. ``"auto"`` takes the
@@ -22,8 +23,9 @@ function is compiled: a captured graph keeps the backend it was captured with.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass, fields
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -42,16 +44,29 @@ class BackendConfig:
 
 config = BackendConfig()
 _FAMILIES = tuple(f.name for f in fields(BackendConfig))
-_REGISTRY: dict[str, dict[str, tuple[Predicate, Optional[Limits], Callable]]] = {name: {} for name in _FAMILIES}
+Ops = Mapping[str, Callable]  # op name -> the function that runs it on this backend
+_REGISTRY: dict[str, dict[str, tuple[Predicate, Optional[Limits], Ops]]] = {name: {} for name in _FAMILIES}
 
 
-def register_backend(family: str, name: str, predicate: Predicate, impl: Callable,
+def register_backend(family: str, name: str, predicate: Predicate, ops: Ops,
                      limits: Optional[Limits] = None) -> None:
-    """Register ``impl`` as backend ``name`` of ``family`` (earlier registrations win ``auto``)."""
-    _REGISTRY[family][name] = (predicate, limits, impl)
+    """Register backend ``name`` of ``family``, running each op of ``ops`` with its function
+    (earlier registrations win ``auto``)."""
+    _REGISTRY[family][name] = (predicate, limits, dict(ops))
 
 
-def _check_family(family: str) -> dict[str, tuple[Predicate, Optional[Limits], Callable]]:
+def imported(module: str, name: str) -> Callable:
+    """``module.name``, imported on its first call: ``import compile_ops`` imports no
+    backend module (and so neither triton nor a vendor library)."""
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = f"{module}.{name}"
+    return call
+
+
+def _check_family(family: str) -> dict[str, tuple[Predicate, Optional[Limits], Ops]]:
     if family not in _REGISTRY:
         raise ValueError(f"op family must be one of {list(_FAMILIES)}, got {family!r}")
     return _REGISTRY[family]
@@ -63,9 +78,9 @@ def backends(family: str) -> list[str]:
 
 
 def resolve(family: str, device: torch.device, kv_format: Optional[str] = None,
-            args: Optional[tuple] = None) -> tuple[str, Callable]:
-    """The backend name and implementation that ``family`` uses on ``device`` (for the
-    validated call ``args``, when given)."""
+            args: Optional[tuple] = None) -> tuple[str, Ops]:
+    """The backend name and ops that ``family`` uses on ``device`` (for the validated call
+    ``args``, when given)."""
     registry = _check_family(family)
     choice = getattr(config, family)
     device = torch.device(device)
@@ -81,18 +96,24 @@ def resolve(family: str, device: torch.device, kv_format: Optional[str] = None,
             raise ValueError(
                 f"compile_ops.config.{family} must be 'auto' or one of {list(registry)}, got {choice!r}"
             )
-        predicate, limits, impl = registry[choice]
+        predicate, limits, ops = registry[choice]
         reason = unavailable(predicate, limits)
         if reason is not None:
             raise ValueError(f"backend {choice!r} cannot run {family} on {device}: {reason}")
-        return choice, impl
+        return choice, ops
     reasons = []
-    for name, (predicate, limits, impl) in registry.items():
+    for name, (predicate, limits, ops) in registry.items():
         reason = unavailable(predicate, limits)
         if reason is None:
-            return name, impl
+            return name, ops
         reasons.append(f"{name}: {reason}")
     raise ValueError(f"no backend can run {family} on {device} ({'; '.join(reasons)})")
+
+
+def implementation(family: str, op: str, device: torch.device, kv_format: Optional[str] = None,
+                   args: Optional[tuple] = None) -> Callable:
+    """The function that runs ``op`` of ``family`` now: the chosen backend's (see :func:`resolve`)."""
+    return resolve(family, device, kv_format, args)[1][op]
 
 
 def backend_for(family: str, device, kv_format: Optional[str] = None) -> str:

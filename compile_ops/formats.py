@@ -262,8 +262,7 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, kv_form
     fmt = _check_write(cache, slots, kv, kv_format, kv_scale)
     if num_slots(cache) == 0 or slots.shape[0] == 0:
         return
-    _, impl = backends.resolve("slots", cache.device)
-    impl.write_rows(cache, slots, encode_rows(kv, kv_format, kv_scale), fmt)
+    backends.implementation("slots", "write_rows", cache.device)(cache, slots, encode_rows(kv, kv_format, kv_scale), fmt)
 
 
 @write_kv.register_fake

@@ -6,6 +6,7 @@ import torch
 import compile_ops
 from compile_ops import backends
 from compile_ops.formats import new_cache
+from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.ops import gluon_triton_unsupported
 
 FAMILIES = ["sparse_mla", "slots", "combine"]
@@ -44,7 +45,7 @@ def test_use_backends_restores_the_config_even_on_error():
 
 def test_the_op_runs_the_chosen_backend():
     calls = []
-    backends.register_backend("sparse_mla", "spy", backends.any_device, lambda *a: calls.append(a))
+    backends.register_backend("sparse_mla", "spy", backends.any_device, {"sparse_mla": lambda *a: calls.append(a)})
     try:
         cache = new_cache("bf16", 1, 4)
         idx, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
@@ -126,7 +127,7 @@ def test_a_call_the_gluon_kernel_cannot_read_goes_to_tl_or_raises(hopper_without
     idx, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
 
     def chosen(cache):
-        args = (q, cache, idx, lens, None, None, None, None, 0.1, "fp8_dsv41", 1.0)
+        args = SparseMLAArgs(q, cache, idx, lens, None, None, None, None, 0.1, "fp8_dsv41", 1.0)
         return backends.resolve("sparse_mla", torch.device("cuda"), "fp8_dsv41", args)[0]
 
     assert _gluon_unavailable(torch.device("cuda"), "fp8_dsv41") is None

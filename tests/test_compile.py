@@ -90,12 +90,14 @@ dsv41.sparse_mla.default""",
 def test_reference_kernel_itself_compiles_whole():
     """The plain-torch reference (the benchmark's torch.compile peer) traces with no break,
     every format's byte gathers included."""
+    from compile_ops.mla.inputs import SparseMLAArgs
     from compile_ops.mla.reference import sparse_mla_reference
 
     def attend(q, swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink):
         out = torch.empty(q.shape, dtype=torch.bfloat16)
         lse = torch.empty(q.shape[:2])
-        sparse_mla_reference(q, swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink, 0.05, "fp8_dsv41", 1.0, out, lse)
+        args = SparseMLAArgs(q, swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink, 0.05, "fp8_dsv41", 1.0)
+        sparse_mla_reference(args, out, lse)
         return out, lse
 
     q, positions, token_to_req, swa_table, topk, cmp_table, is_valid, swa_cache, cmp_cache, sink = inputs(3)

@@ -16,6 +16,7 @@ import torch
 
 from compile_ops.formats import new_cache, read_kv, write_kv
 from compile_ops.mla import flashinfer as fi
+from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.reference import sparse_mla_reference
 
 LOG2E = 1.0 / math.log(2.0)
@@ -209,7 +210,7 @@ def _reference(args):
     q = args[0]
     out = torch.empty(*q.shape, dtype=torch.bfloat16)
     lse = torch.empty(q.shape[:2])
-    sparse_mla_reference(*args, out, lse)
+    sparse_mla_reference(SparseMLAArgs(*args), out, lse)
     return out, lse
 
 

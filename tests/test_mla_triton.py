@@ -23,6 +23,7 @@ import compile_ops
 from compile_ops import backends
 from compile_ops.formats import get_format, new_cache, num_slots, write_kv
 from compile_ops.mla import triton as mla_triton
+from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.reference import sparse_mla_reference
 from helpers import make_cache, make_indices
 
@@ -32,7 +33,7 @@ KERNELS = ["triton", "gluon"]
 
 
 def kernel_of(backend):
-    """The backend's kernel entry point: same arguments as the reference, plus ``out, lse``."""
+    """The backend's kernel entry point: ``(SparseMLAArgs, out, lse)``, as the reference."""
     if backend == "gluon":
         from compile_ops.mla.gluon import sparse_mla_gluon
 
@@ -73,10 +74,10 @@ def run_both(args, kernel="triton", **kw):
     T, H = q.shape[:2]
     ref_out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=q.device)
     ref_lse = torch.empty(T, H, device=q.device)
-    sparse_mla_reference(*args, ref_out, ref_lse)
+    sparse_mla_reference(SparseMLAArgs(*args), ref_out, ref_lse)
     out = torch.full_like(ref_out, float("nan"))  # poisoned: every element must be written
     lse = torch.full_like(ref_lse, float("nan"))
-    kernel_of(kernel)(*args, out, lse, **kw)
+    kernel_of(kernel)(SparseMLAArgs(*args), out, lse, **kw)
     return out, lse, ref_out, ref_lse
 
 
@@ -190,7 +191,7 @@ def test_gluon_kernel_refuses_the_interpreter():
     args = make_case("bf16", 2, 4, 8, 8, 4, seed=0)
     out = torch.empty(2, 4, 512, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="Gluon kernel runs eagerly on sm_90 only"):
-        kernel_of("gluon")(*args, out, torch.empty(2, 4))
+        kernel_of("gluon")(SparseMLAArgs(*args), out, torch.empty(2, 4))
 
 
 # ---------------------------------------------------------------------------------- GPU
@@ -246,10 +247,10 @@ def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
     if backend == "gluon":
         out, lse = torch.empty(9, 70, 512, dtype=torch.bfloat16, device="cuda"), torch.empty(9, 70, device="cuda")
         with pytest.raises(ValueError, match="16-byte aligned"):
-            kernel_of("gluon")(*odd, out, lse)
+            kernel_of("gluon")(SparseMLAArgs(*odd), out, lse)
         with compile_ops.use_backends(sparse_mla="gluon"), pytest.raises(ValueError, match="16-byte aligned"):
             compile_ops.sparse_mla_out(*odd, out, lse)
-        assert backends.resolve("sparse_mla", torch.device("cuda"), kv_format, tuple(odd))[0] == "triton"
+        assert backends.resolve("sparse_mla", torch.device("cuda"), kv_format, SparseMLAArgs(*odd))[0] == "triton"
     gap = 0 if backend == "gluon" else 5
     args = list(make_case(kv_format, 9, 70, 128, 300, 48, page_gap=gap, device="cuda", seed=3, pool_pages=40))
     args[3][2] = 0  # a token with no SWA entries
@@ -309,7 +310,7 @@ def test_gpu_graph_capture_new_indices(kv_format, backend):
         graph.replay()
         ref_out = torch.empty_like(out)
         ref_lse = torch.empty_like(lse)
-        sparse_mla_reference(*args, ref_out, ref_lse)
+        sparse_mla_reference(SparseMLAArgs(*args), ref_out, ref_lse)
         e_out, e_lse = errors(out, lse, ref_out, ref_lse)
         assert e_out <= 1.0 and e_lse <= 1.0, (e_out, e_lse)
 
@@ -346,7 +347,7 @@ def test_gpu_graph_back_to_back_calls(backend):
         graph.replay()
     for args, (out, lse) in zip(cases, outs):
         ref_out, ref_lse = torch.empty_like(out), torch.empty_like(lse)
-        sparse_mla_reference(*args, ref_out, ref_lse)
+        sparse_mla_reference(SparseMLAArgs(*args), ref_out, ref_lse)
         e_out, e_lse = errors(out, lse, ref_out, ref_lse)
         assert e_out <= 1.0 and e_lse <= 1.0, (args[0].shape, e_out, e_lse)
 

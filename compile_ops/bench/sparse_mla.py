@@ -149,6 +149,7 @@ def main(argv=None):
     args = parse(argv)
     import compile_ops
     from compile_ops.mla import triton as mla_triton
+    from compile_ops.mla.inputs import SparseMLAArgs
     from compile_ops.mla.reference import sparse_mla_reference
 
     try:
@@ -195,7 +196,7 @@ def main(argv=None):
         lse = torch.empty(T, H, device=device)
         call = (q, swa[fmt], si, sl, cmp[fmt], ci, cl, sink, sm_scale, fmt, 1.0, out, lse)
         if cfg is not None:
-            return lambda: mla_triton.sparse_mla_triton(*call, config=cfg)
+            return lambda: mla_triton.sparse_mla_triton(SparseMLAArgs(*call[:11]), out, lse, config=cfg)
 
         def run():
             with compile_ops.use_backends(sparse_mla=backend):
@@ -217,7 +218,7 @@ def main(argv=None):
     def reference_fn(q, swa_c, si, sl, cmp_c, ci, cl, sink_, fmt):
         out = torch.empty(*q.shape, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(q.shape[:2], device=q.device)
-        sparse_mla_reference(q, swa_c, si, sl, cmp_c, ci, cl, sink_, sm_scale, fmt, 1.0, out, lse)
+        sparse_mla_reference(SparseMLAArgs(q, swa_c, si, sl, cmp_c, ci, cl, sink_, sm_scale, fmt, 1.0), out, lse)
         return out, lse
 
     compiled_ref = torch.compile(reference_fn, dynamic=False)

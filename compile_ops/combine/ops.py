@@ -11,7 +11,7 @@ from torch import Tensor
 
 from compile_ops import backends
 from compile_ops._checks import check_tensor
-from compile_ops.combine.reference import dcp_combine_a2a, dcp_combine_ag_rs, lse_combine_reference
+from compile_ops.combine.reference import dcp_combine_reference, lse_combine_reference
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DCP_MODES = ("ag_rs", "a2a")
@@ -30,8 +30,7 @@ def _check_lse_combine(partial_out: Tensor, partial_lse: Tensor) -> None:
 @torch.library.custom_op("dsv41::lse_combine", mutates_args=())
 def lse_combine(partial_out: Tensor, partial_lse: Tensor) -> tuple[Tensor, Tensor]:
     _check_lse_combine(partial_out, partial_lse)
-    _, impl = backends.resolve("combine", partial_out.device)
-    return impl(partial_out, partial_lse)
+    return backends.implementation("combine", "lse_combine", partial_out.device)(partial_out, partial_lse)
 
 
 @lse_combine.register_fake
@@ -72,11 +71,7 @@ def _check_dcp_combine(out: Tensor, lse: Tensor, group_name: str, mode: str) -> 
 @torch.library.custom_op("dsv41::dcp_combine", mutates_args=())
 def dcp_combine(out: Tensor, lse: Tensor, group_name: str, mode: str = "ag_rs") -> tuple[Tensor, Tensor]:
     world = _check_dcp_combine(out, lse, group_name, mode)
-    name, _ = backends.resolve("combine", out.device)
-    if name in _DCP_COMBINE:
-        return _DCP_COMBINE[name](out, lse, group_name, world, mode)
-    combine = dcp_combine_ag_rs if mode == "ag_rs" else dcp_combine_a2a
-    return combine(out, lse, group_name, world)
+    return backends.implementation("combine", "dcp_combine", out.device)(out, lse, group_name, world, mode)
 
 
 @dcp_combine.register_fake
@@ -86,24 +81,12 @@ def _(out, lse, group_name, mode="ag_rs"):
     return out.new_empty((T, H_all // world, D)), lse.new_empty((T, H_all // world))
 
 
-def _lse_combine_triton(partial_out: Tensor, partial_lse: Tensor) -> tuple[Tensor, Tensor]:
-    from compile_ops.combine.triton import lse_combine_triton  # first use: keeps triton out of import
-
-    return lse_combine_triton(partial_out, partial_lse)
-
-
-def _dcp_combine_triton(out: Tensor, lse: Tensor, group_name: str, world: int, mode: str):
-    from compile_ops.combine.triton import dcp_combine_triton
-
-    return dcp_combine_triton(out, lse, group_name, world, mode)
-
-
-# Backends of the "combine" family with their own dcp_combine; the others get the reference
-# collectives with their lse_combine.
-_DCP_COMBINE = {"triton": _dcp_combine_triton}
-
-backends.register_backend("combine", "triton", backends.cuda_with_triton, _lse_combine_triton)
-backends.register_backend("combine", "reference", backends.any_device, lse_combine_reference)
+backends.register_backend("combine", "triton", backends.cuda_with_triton, {
+    "lse_combine": backends.imported("compile_ops.combine.triton", "lse_combine_triton"),
+    "dcp_combine": backends.imported("compile_ops.combine.triton", "dcp_combine_triton"),
+})
+backends.register_backend("combine", "reference", backends.any_device,
+                          {"lse_combine": lse_combine_reference, "dcp_combine": dcp_combine_reference})
 
 lse_combine.__doc__ = """Merge ``N`` partial attention results by their base-2 LSEs.
 

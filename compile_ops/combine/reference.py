@@ -78,3 +78,9 @@ def dcp_combine_a2a(out: torch.Tensor, lse: torch.Tensor, group_name: str, world
     received = c10d.wait_tensor(c10d.all_to_all_single(packed.view(-1), splits, splits, group_name))
     part_out, part_lse = _unpack(received.view(world, -1), T, H_all // world, D, out.dtype)
     return lse_combine_reference(part_out, part_lse)
+
+
+def dcp_combine_reference(out: torch.Tensor, lse: torch.Tensor, group_name: str, world: int, mode: str):
+    """``dcp_combine`` through the plain c10d collectives of ``mode`` (``"ag_rs"`` or ``"a2a"``)."""
+    combine = dcp_combine_ag_rs if mode == "ag_rs" else dcp_combine_a2a
+    return combine(out, lse, group_name, world)

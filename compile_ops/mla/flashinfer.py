@@ -124,10 +124,10 @@ def flashinfer_unavailable(device: torch.device, kv_format: Optional[str]) -> Op
     )
 
 
-def flashinfer_args_unsupported(args: tuple) -> Optional[str]:
+def flashinfer_args_unsupported(args) -> Optional[str]:
     """The ``flashinfer`` backend's limits on one call's ``sparse_mla`` arguments: the SWA
     width its kernels take (SM100: at most 128 columns; SM120: at most 1024)."""
-    q, swa_indices = args[0], args[2]
+    q, swa_indices = args.q, args.swa_indices
     major = torch.cuda.get_device_capability(q.device)[0]
     width = SM100_SWA_COLUMNS if major == 10 else SM120_SWA_WIDTHS[-1]
     if swa_indices.shape[1] > width:
@@ -422,10 +422,7 @@ def finish(plan: Plan, q, sink, sm_scale, kv_format, kv_scale, out: Tensor, lse:
     out.masked_fill_(plan.empty.view(T, 1, 1), 0.0)
 
 
-def sparse_mla_flashinfer(
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens,
-    sink, sm_scale, kv_format, kv_scale, out, lse,
-) -> None:
+def sparse_mla_flashinfer(args, out, lse) -> None:
     """Fill ``out [T, H, 512]`` bf16 and ``lse [T, H]`` fp32 with FlashInfer's DSV4 kernels.
 
     Same contract as ``dsv41::sparse_mla_out`` (validated there). SM10x: ``kv_format``
@@ -433,6 +430,7 @@ def sparse_mla_flashinfer(
     columns, LSE computed in plain torch. SM12x: ``fp8_ds_mla``, page size 64 for the
     decode kernels, at most 1024 SWA columns, LSE from the kernel. Unverified on hardware.
     """
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args
     if q.shape[0] == 0:
         return
     args = (q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens,

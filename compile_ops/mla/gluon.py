@@ -41,7 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from compile_ops import formats
 from compile_ops.mla.merge import merge
-from compile_ops.mla.plan import BN, UNSPECIALIZED, Workspace, gluon_layout_unsupported, plan
+from compile_ops.mla.inputs import SparseMLAArgs
+from compile_ops.mla.plan import BN, UNSPECIALIZED, Workspace, gluon_args_unsupported, plan
 
 # The Gluon names that differ across the supported Triton releases (3.6 to 3.9), each the
 # same operation under its newer name where the installed Triton has it: 3.7 renamed
@@ -610,24 +611,21 @@ def launch_options(fmt: int, data: int, scale_bytes: int, page_shift: bool, dspl
     )
 
 
-def sparse_mla_gluon(
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale,
-    out, lse, *, workspace: Optional[Workspace] = None, n_split: Optional[int] = None,
-) -> None:
+def sparse_mla_gluon(args: SparseMLAArgs, out, lse, *, workspace: Optional[Workspace] = None,
+                     n_split: Optional[int] = None) -> None:
     """The ``"gluon"`` backend of ``dsv41::sparse_mla``: arguments, launch plan and LSE merge
     as :func:`compile_ops.mla.triton.sparse_mla_triton`'s, around this kernel. Raises
     ``ValueError`` for a layout the kernel cannot read
-    (:func:`compile_ops.mla.plan.gluon_layout_unsupported`; the op's dispatch asks first)."""
-    reason = gluon_layout_unsupported(q, swa_cache, cmp_cache)
+    (:func:`compile_ops.mla.plan.gluon_args_unsupported`; the op's dispatch asks first)."""
+    reason = gluon_args_unsupported(args)
     if reason is not None:
         raise ValueError(reason)
-    launch = plan(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale,
-                  kv_format, kv_scale, out, lse, split_small_T=True, n_split=n_split, workspace=workspace)
+    launch = plan(args, out, lse, split_small_T=True, n_split=n_split, workspace=workspace)
     if launch is None:
         return
-    if launch.traced or q.device.type != "cuda":
+    if launch.traced or args.q.device.type != "cuda":
         raise RuntimeError("the Gluon kernel runs eagerly on sm_90 only: not traced, not interpreted")
     fmt = launch.fmt
     options = launch_options(fmt.code, fmt.data_elems, fmt.scale_bytes, launch.page_shift, launch.dsplit)
     _sparse_mla_ws_kernel[launch.grid](*launch.args, **options)
-    merge(launch, q, out, lse, after_gluon=True)
+    merge(launch, out, lse, after_gluon=True)

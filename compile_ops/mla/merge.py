@@ -70,7 +70,7 @@ def _combine_kernel(part_o, part_lse, sink, out, lse, T, H, n_split, has_sink, N
     tl.store(lse + i_th, b_max + tl.log2(b_den))
 
 
-def merge(launch: Launch, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, after_gluon: bool) -> None:
+def merge(launch: Launch, out: torch.Tensor, lse: torch.Tensor, *, after_gluon: bool) -> None:
     """Merge ``launch``'s partials into ``out`` and ``lse`` (nothing to do when it ran unsplit).
 
     ``after_gluon``: the attention kernel was the Gluon one, a programmatic dependent launch
@@ -78,7 +78,7 @@ def merge(launch: Launch, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     merge in turn lets the next call's Gluon programs take their SMs early, except where
     every program of an unsplit column range has a single block: there the early programs
     only wait and slow the merge down."""
-    n_split, T, H = launch.n_split, q.shape[0], q.shape[1]
+    n_split, (T, H) = launch.n_split, lse.shape
     if isinstance(n_split, int):
         if n_split == 1:
             return
@@ -88,7 +88,7 @@ def merge(launch: Launch, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
         rows = T * H * torch.sym_min(n_split - 1, 1)
     pdl = dict(launch_pdl=True) if after_gluon else {}
     launch_next = after_gluon and (launch.dsplit == 2 or n_split < launch.blocks)
-    launchable(_combine_kernel, q)[(rows,)](
+    launchable(_combine_kernel, lse)[(rows,)](
         launch.part_o, launch.part_lse, launch.sink, out, lse,
         T, H, n_split, launch.has_sink, NSP=nsp, NSC=nsp if nsp <= 32 else 16, PDL=after_gluon,
         LAUNCH_NEXT=launch_next, num_warps=4, **pdl,

@@ -15,10 +15,14 @@ from torch import Tensor
 from compile_ops import backends
 from compile_ops._checks import check_dim, check_float, check_tensor
 from compile_ops.formats import HEAD_DIM, check_cache
+from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.reference import sparse_mla_reference
 
 
-def _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale):
+def _checked(*args) -> SparseMLAArgs:
+    """The op's positional arguments, validated (real and fake kernels alike)."""
+    args = SparseMLAArgs(*args)
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args
     check_tensor("q", q, torch.bfloat16, 3)
     if q.shape[2] != HEAD_DIM:
         raise ValueError(f"q must be [T, H, {HEAD_DIM}], got shape {tuple(q.shape)}")
@@ -47,6 +51,11 @@ def _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp
     check_float("sm_scale", sm_scale)
     if not float(kv_scale) > 0.0:
         raise ValueError(f"kv_scale must be a positive float, got {kv_scale}")
+    return args
+
+
+def _run(args: SparseMLAArgs, out: Tensor, lse: Tensor) -> None:
+    backends.implementation("sparse_mla", "sparse_mla", args.q.device, args.kv_format, args)(args, out, lse)
 
 
 def _check_outputs(q: Tensor, out: Tensor, lse: Tensor) -> None:
@@ -75,16 +84,14 @@ def sparse_mla_out(
     out: Tensor,
     lse: Tensor,
 ) -> None:
-    _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    args = _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
     _check_outputs(q, out, lse)
-    args = (q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
-    _, impl = backends.resolve("sparse_mla", q.device, kv_format, args)
-    impl(*args, out, lse)
+    _run(args, out, lse)
 
 
 @sparse_mla_out.register_fake
 def _(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse):
-    _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
     _check_outputs(q, out, lse)
 
 
@@ -102,11 +109,9 @@ def sparse_mla(
     kv_format: str = "bf16",
     kv_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    args = _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
     out, lse = _new_outputs(q)
-    args = (q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
-    _, impl = backends.resolve("sparse_mla", q.device, kv_format, args)
-    impl(*args, out, lse)
+    _run(args, out, lse)
     return out, lse
 
 
@@ -120,7 +125,7 @@ def _new_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
 
 @sparse_mla.register_fake
 def _(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format="bf16", kv_scale=1.0):
-    _check_args(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
     return _new_outputs(q)
 
 
@@ -169,16 +174,6 @@ sparse_mla_out.__doc__ = """:func:`sparse_mla` writing into caller-owned ``out [
 ``lse [T, H]`` fp32 (both contiguous); returns ``None``. ``kv_format`` and ``kv_scale``
 are required here. Use it with static buffers under CUDA-graph capture.
 """
-
-
-def _imported(module: str, name: str):
-    """``module.name``, imported on its first call: ``import compile_ops`` imports no
-    backend module (and so neither triton nor a vendor library)."""
-
-    def call(*args):
-        return getattr(importlib.import_module(module), name)(*args)
-
-    return call
 
 
 def _layout_limits(module: str, name: str):
@@ -246,13 +241,15 @@ def _flashinfer_unavailable(device, kv_format):
 # Verified on hardware first: the Gluon kernel (sm_90), FlashMLA (sm_90, fp8_ds_mla, reached
 # only where Gluon refuses), the tl kernel (any CUDA GPU); FlashInfer (SM100/SM120), never
 # run on such a GPU, only when chosen; the reference everywhere.
-backends.register_backend("sparse_mla", "gluon", _gluon_unavailable, _imported("compile_ops.mla.gluon", "sparse_mla_gluon"),
+backends.register_backend("sparse_mla", "gluon", _gluon_unavailable,
+                          {"sparse_mla": backends.imported("compile_ops.mla.gluon", "sparse_mla_gluon")},
                           limits=_layout_limits("compile_ops.mla.plan", "gluon_args_unsupported"))
 backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable,
-                          _imported("compile_ops.mla.flashmla", "sparse_mla_flashmla"),
+                          {"sparse_mla": backends.imported("compile_ops.mla.flashmla", "sparse_mla_flashmla")},
                           limits=_layout_limits("compile_ops.mla.flashmla", "flashmla_args_unsupported"))
-backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton, _imported("compile_ops.mla.triton", "sparse_mla_triton"))
+backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton,
+                          {"sparse_mla": backends.imported("compile_ops.mla.triton", "sparse_mla_triton")})
 backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable,
-                          _imported("compile_ops.mla.flashinfer", "sparse_mla_flashinfer"),
+                          {"sparse_mla": backends.imported("compile_ops.mla.flashinfer", "sparse_mla_flashinfer")},
                           limits=_layout_limits("compile_ops.mla.flashinfer", "flashinfer_args_unsupported"))
-backends.register_backend("sparse_mla", "reference", backends.any_device, sparse_mla_reference)
+backends.register_backend("sparse_mla", "reference", backends.any_device, {"sparse_mla": sparse_mla_reference})

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from compile_ops.formats import HEAD_DIM, LOG2E, KVFormat, get_format, num_slots
+from compile_ops.mla.inputs import SparseMLAArgs
 
 # sizes, strides and counts that change from call to call: specializing on them (== 1,
 # divisible by 16) would recompile the attention kernels
@@ -100,10 +101,9 @@ def gluon_layout_unsupported(q: Tensor, swa_cache: Tensor, cmp_cache: Optional[T
     return None
 
 
-def gluon_args_unsupported(args: tuple) -> Optional[str]:
+def gluon_args_unsupported(args: SparseMLAArgs) -> Optional[str]:
     """The ``gluon`` backend's limits on one call's ``sparse_mla`` arguments."""
-    q, swa_cache, cmp_cache = args[0], args[1], args[4]
-    return gluon_layout_unsupported(q, swa_cache, cmp_cache)
+    return gluon_layout_unsupported(args.q, args.swa_cache, args.cmp_cache)
 
 
 @dataclass
@@ -127,17 +127,15 @@ class Launch:
 
 
 def plan(
-    q: Tensor, swa_cache: Tensor, swa_indices: Tensor, swa_lens: Tensor,
-    cmp_cache: Optional[Tensor], cmp_indices: Optional[Tensor], cmp_lens: Optional[Tensor],
-    sink: Optional[Tensor], sm_scale: float, kv_format: str, kv_scale: float,
-    out: Tensor, lse: Tensor, *, bn: int = BN, dsplit: int = 1, split_small_T: bool = False,
+    args: SparseMLAArgs, out: Tensor, lse: Tensor, *, bn: int = BN, dsplit: int = 1, split_small_T: bool = False,
     n_split: Optional[int] = None, workspace: Optional[Workspace] = None,
 ) -> Optional[Launch]:
-    """The launch of one validated call, or ``None`` when there is nothing to compute
+    """The launch of one validated call ``args`` writing ``out`` / ``lse``, or ``None`` when there is nothing to compute
     (``T == 0`` or ``H == 0``). Blocks hold ``bn`` gathered rows; ``dsplit`` programs share
     each head block (``512 / dsplit``
     output columns each); ``split_small_T`` makes it 2 while every program still holds a
     block (the Gluon kernel, eager). ``n_split`` overrides the split-K count."""
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args
     T, H, _ = q.shape
     if T == 0 or H == 0:
         return None

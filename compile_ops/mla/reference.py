@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
-from typing import Optional
 
 import torch
 
-from compile_ops.formats import num_slots, read_kv
+from compile_ops.formats import LOG2E, num_slots, read_kv
+from compile_ops.mla.inputs import SparseMLAArgs
 
-LOG2E = 1.0 / math.log(2.0)
 TOKEN_CHUNK = 32
 
 
@@ -26,26 +24,13 @@ def _row_max(scores: torch.Tensor) -> torch.Tensor:
     return scores.amax(-1, keepdim=True)
 
 
-def sparse_mla_reference(
-    q: torch.Tensor,
-    swa_cache: torch.Tensor,
-    swa_indices: torch.Tensor,
-    swa_lens: torch.Tensor,
-    cmp_cache: Optional[torch.Tensor],
-    cmp_indices: Optional[torch.Tensor],
-    cmp_lens: Optional[torch.Tensor],
-    sink: Optional[torch.Tensor],
-    sm_scale: float,
-    kv_format: str,
-    kv_scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
+def sparse_mla_reference(args: SparseMLAArgs, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Fill ``out [T, H, 512]`` and ``lse [T, H]`` (base 2, sink folded in); see ``ops.sparse_mla``.
 
     Tokens are processed in chunks of ``TOKEN_CHUNK`` so the gathered keys stay small;
     chunk bounds come from shapes, so no host sync happens.
     """
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args
     for start in range(0, q.shape[0], TOKEN_CHUNK):
         rows = slice(start, start + TOKEN_CHUNK)
         keys, valid = _segment_keys(swa_cache, swa_indices[rows], swa_lens[rows], kv_format, kv_scale)

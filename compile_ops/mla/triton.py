@@ -48,6 +48,7 @@ import triton.language as tl
 
 from compile_ops import formats
 from compile_ops._launch import launchable
+from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.merge import merge
 from compile_ops.mla.plan import BH, BN, UNSPECIALIZED, Workspace, plan
 
@@ -233,17 +234,7 @@ def _sparse_mla_kernel(
 
 
 def sparse_mla_triton(
-    q: torch.Tensor,
-    swa_cache: torch.Tensor,
-    swa_indices: torch.Tensor,
-    swa_lens: torch.Tensor,
-    cmp_cache: Optional[torch.Tensor],
-    cmp_indices: Optional[torch.Tensor],
-    cmp_lens: Optional[torch.Tensor],
-    sink: Optional[torch.Tensor],
-    sm_scale: float,
-    kv_format: str,
-    kv_scale: float,
+    args: SparseMLAArgs,
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
@@ -253,7 +244,7 @@ def sparse_mla_triton(
 ) -> None:
     """Fill ``out [T, H, 512]`` bf16 and ``lse [T, H]`` fp32 (base 2); inputs already validated.
 
-    Same arguments as :func:`compile_ops.mla.reference.sparse_mla_reference`. ``workspace``
+    ``args`` as :func:`compile_ops.mla.reference.sparse_mla_reference` takes them. ``workspace``
     holds the split-K partials (:class:`compile_ops.mla.plan.Workspace`; default: the
     device's, made on the first call that needs it, so own one to capture without a
     warm-up call); ``n_split`` and ``config`` (for tests and benchmarks) override the
@@ -271,16 +262,15 @@ def sparse_mla_triton(
         ...     out, lse = compile_ops.sparse_mla(q, cache, idx, lens, None, None, None, None, 0.044, "fp8_dsv41")
     """
     cfg = config or Config()
-    launch = plan(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale,
-                  kv_format, kv_scale, out, lse, bn=cfg.bn, dsplit=cfg.dsplit, n_split=n_split, workspace=workspace)
+    launch = plan(args, out, lse, bn=cfg.bn, dsplit=cfg.dsplit, n_split=n_split, workspace=workspace)
     if launch is None:
         return
     fmt = launch.fmt
     iters = triton.cdiv(launch.blocks, launch.n_split) + 1 if INTERPRET else 0
-    launchable(_sparse_mla_kernel, q)[launch.grid](
+    launchable(_sparse_mla_kernel, args.q)[launch.grid](
         *launch.args,
         FMT=fmt.code, DATA=fmt.data_elems, SCALE=fmt.scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=launch.dsplit,
         PAGE_SHIFT=launch.page_shift, ROPE_BYTES=launch.rope_bytes, UPCAST=INTERPRET, ITERS=iters,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    merge(launch, q, out, lse, after_gluon=False)
+    merge(launch, out, lse, after_gluon=False)

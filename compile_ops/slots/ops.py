@@ -51,8 +51,8 @@ def _new_slots(topk: Tensor) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("dsv41::topk_to_slots", mutates_args=())
 def topk_to_slots(topk: Tensor, token_to_req: Tensor, block_table: Tensor, block_size: int, is_valid: Tensor) -> tuple[Tensor, Tensor]:
     _check_topk_args(topk, token_to_req, block_table, block_size, is_valid)
-    _, impl = backends.resolve("slots", topk.device)
-    return impl.topk_to_slots(topk, token_to_req, block_table, block_size, is_valid)
+    run = backends.implementation("slots", "topk_to_slots", topk.device)
+    return run(topk, token_to_req, block_table, block_size, is_valid)
 
 
 @topk_to_slots.register_fake
@@ -67,8 +67,8 @@ def dcp_topk_to_slots(
 ) -> tuple[Tensor, Tensor]:
     _check_topk_args(topk, token_to_req, block_table, block_size, is_valid)
     _check_dcp_args(rank, world, interleave)
-    _, impl = backends.resolve("slots", topk.device)
-    return impl.dcp_topk_to_slots(topk, token_to_req, block_table, block_size, is_valid, rank, world, interleave)
+    run = backends.implementation("slots", "dcp_topk_to_slots", topk.device)
+    return run(topk, token_to_req, block_table, block_size, is_valid, rank, world, interleave)
 
 
 @dcp_topk_to_slots.register_fake
@@ -88,8 +88,8 @@ def _check_swa_args(positions, token_to_req, block_table, page_size, window) -> 
 @torch.library.custom_op("dsv41::swa_indices", mutates_args=())
 def swa_indices(positions: Tensor, token_to_req: Tensor, block_table: Tensor, page_size: int, window: int) -> tuple[Tensor, Tensor]:
     _check_swa_args(positions, token_to_req, block_table, page_size, window)
-    _, impl = backends.resolve("slots", positions.device)
-    return impl.swa_indices(positions, token_to_req, block_table, page_size, window)
+    run = backends.implementation("slots", "swa_indices", positions.device)
+    return run(positions, token_to_req, block_table, page_size, window)
 
 
 @swa_indices.register_fake
@@ -98,25 +98,14 @@ def _(positions, token_to_req, block_table, page_size, window):
     return positions.new_empty((positions.shape[0], window)), positions.new_empty(positions.shape[0])
 
 
-class _Reference:
-    topk_to_slots = staticmethod(topk_to_slots_reference)
-    dcp_topk_to_slots = staticmethod(dcp_topk_to_slots_reference)
-    swa_indices = staticmethod(swa_indices_reference)
-    write_rows = staticmethod(write_rows_reference)
-
-
-class _Triton:
-    """The Triton kernels of :mod:`compile_ops.slots.triton` (``<op>_triton``), imported on
-    first use so that ``import compile_ops`` does not import triton."""
-
-    def __getattr__(self, name):
-        from compile_ops.slots import triton as kernels
-
-        return getattr(kernels, f"{name}_triton")
-
-
-backends.register_backend("slots", "triton", backends.cuda_with_triton, _Triton())
-backends.register_backend("slots", "reference", backends.any_device, _Reference)
+# write_rows stores write_kv's encoded rows (compile_ops.formats)
+SLOT_OPS = ("topk_to_slots", "dcp_topk_to_slots", "swa_indices", "write_rows")
+backends.register_backend("slots", "triton", backends.cuda_with_triton,
+                          {op: backends.imported("compile_ops.slots.triton", f"{op}_triton") for op in SLOT_OPS})
+backends.register_backend("slots", "reference", backends.any_device, {
+    "topk_to_slots": topk_to_slots_reference, "dcp_topk_to_slots": dcp_topk_to_slots_reference,
+    "swa_indices": swa_indices_reference, "write_rows": write_rows_reference,
+})
 
 topk_to_slots.__doc__ = """Convert request-local compressed top-k ids to compacted cache slots (DCP world 1).
 

@@ -192,11 +192,3 @@ def swa_indices_triton(positions, token_to_req, block_table, page_size, window, 
         BLOCK=BLOCK, CHUNKS=triton.cdiv(window, BLOCK), num_warps=num_warps,
     )
     return indices, lens
-
-
-class Kernels:
-    """The ``"triton"`` backend object of the ``"slots"`` family."""
-
-    topk_to_slots = staticmethod(topk_to_slots_triton)
-    dcp_topk_to_slots = staticmethod(dcp_topk_to_slots_triton)
-    swa_indices = staticmethod(swa_indices_triton)

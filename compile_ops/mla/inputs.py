@@ -1,0 +1,36 @@
+"""The inputs of one ``sparse_mla`` call, as every backend receives them.
+
+Shape legend: ``T`` tokens, ``H`` heads, ``W`` SWA index columns, ``K`` compressed index
+columns; every head is 512 wide (448 NoPE + 64 RoPE), value = key.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from torch import Tensor
+
+
+class SparseMLAArgs(NamedTuple):
+    """A validated ``sparse_mla`` call, its positional arguments in the op's order.
+
+    ``q [T, H, 512]`` bf16; ``swa_cache`` / ``cmp_cache`` paged caches in ``kv_format``
+    (``cmp_*`` all ``None`` for no compressed segment); ``swa_indices [T, W]`` /
+    ``cmp_indices [T, K]`` int32 slots (``-1`` empty) with ``swa_lens`` / ``cmp_lens [T]``
+    int32 counting each row's leading columns; ``sink [H]`` fp32 or ``None``; ``sm_scale``
+    multiplies ``<q, k>``; ``kv_scale`` is the ``fp8`` format's per-tensor scale.
+    A backend's ``run(args, out, lse)`` fills ``out [T, H, 512]`` bf16 and ``lse [T, H]``
+    fp32 (base 2); its ``limits(args)`` returns why it cannot take this call, or ``None``.
+    """
+
+    q: Tensor
+    swa_cache: Tensor
+    swa_indices: Tensor
+    swa_lens: Tensor
+    cmp_cache: Optional[Tensor]
+    cmp_indices: Optional[Tensor]
+    cmp_lens: Optional[Tensor]
+    sink: Optional[Tensor]
+    sm_scale: float
+    kv_format: str
+    kv_scale: float
