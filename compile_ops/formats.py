@@ -246,6 +246,16 @@ def read_kv(cache: torch.Tensor, slots: torch.Tensor, kv_format: str, kv_scale: 
     return decode_rows(rows, kv_format, kv_scale) * valid.unsqueeze(-1)
 
 
+def write_rows_reference(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fmt) -> None:
+    """Store encoded rows ``rows [N, bytes_per_token]`` uint8 at ``slots [N]`` of ``cache``
+    (``fmt``'s page layout), skipping ``-1`` / out-of-range slots with no host sync: byte
+    deltas are added with ``index_put_(accumulate=True)`` and a skipped row adds zero."""
+    page, offset, valid = _locate(cache, slots)
+    pages = _page_bytes(cache)
+    index = (page.unsqueeze(-1).expand(-1, fmt.bytes_per_token), _row_byte_index(fmt, cache.shape[1], offset))
+    pages.index_put_(index, (rows - pages[index]) * valid.unsqueeze(-1), accumulate=True)
+
+
 def _check_write(cache, slots, kv, kv_format, kv_scale) -> KVFormat:
     fmt = check_cache("cache", cache, kv_format)
     check_tensor("slots", slots, (torch.int32, torch.int64), 1, cache.device)

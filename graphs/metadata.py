@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from compile_ops.slots.reference import compressed_slot_mapping
+from compile_ops.slots.mapping import compressed_slot_mapping
 
 
 class StepInputs(NamedTuple):

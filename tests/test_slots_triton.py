@@ -8,7 +8,7 @@ Slots are integers: every case must match the reference exactly.
 import pytest
 import torch
 
-from compile_ops.formats import KV_FORMATS, encode_rows, new_cache
+from compile_ops.formats import KV_FORMATS, encode_rows, new_cache, write_rows_reference
 from compile_ops.slots import reference
 from compile_ops.slots.triton import (
     dcp_topk_to_slots_triton,
@@ -122,7 +122,7 @@ def test_write_rows(kv_format, page_size, page_gap):
     slots = torch.tensor([n - 1, 9, -1, 9, 0, 9, n, 9, n // 2, 9, -7, 9, 1 % n], device=DEVICE)[::2]
     rows = encode_rows(torch.randn(7, 512, device=DEVICE), kv_format)
     write_rows_triton(cache, slots, rows, KV_FORMATS[kv_format])
-    reference.write_rows_reference(want, slots, rows, KV_FORMATS[kv_format])
+    write_rows_reference(want, slots, rows, KV_FORMATS[kv_format])
     assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
 
 

@@ -13,12 +13,8 @@ from torch import Tensor
 
 from compile_ops import backends
 from compile_ops._checks import check_dim, check_int, check_tensor
-from compile_ops.slots.reference import (
-    dcp_topk_to_slots_reference,
-    swa_indices_reference,
-    topk_to_slots_reference,
-    write_rows_reference,
-)
+from compile_ops.formats import write_rows_reference
+from compile_ops.slots.reference import dcp_topk_to_slots_reference, swa_indices_reference, topk_to_slots_reference
 
 
 def _check_tables(token_to_req: Tensor, block_table: Tensor, T, device) -> None:
