@@ -72,44 +72,48 @@ class Config:
 
 
 @triton.jit
-def _load_kv(p_row, p_scale, m_row, col0,
-             FMT: tl.constexpr, BN: tl.constexpr, DW: tl.constexpr, ROPE_BYTES: tl.constexpr):
+def _load_kv(p_row, p_scale, m_row, col0, NOPE: tl.constexpr, BLOCK: tl.constexpr,
+             BN: tl.constexpr, DW: tl.constexpr, ROPE_BYTES: tl.constexpr):
     """Columns ``[col0, col0 + DW)`` of ``BN`` gathered keys, dequantized: ``[BN, DW]`` bf16.
 
     ``p_row`` / ``p_scale`` ``[BN]`` point at each row's data / scale bytes; rows where
-    ``m_row`` is False are never read and come back as zeros.
+    ``m_row`` is False are never read and come back as zeros. ``NOPE`` / ``BLOCK`` are the
+    format's (:class:`compile_ops.formats.KVFormat`): ``NOPE`` e4m3 values per row in blocks
+    of ``BLOCK`` under one UE8M0 scale each (``BLOCK == 0``: none, or one per-tensor scale),
+    the remaining ``512 - NOPE`` RoPE values bf16.
     """
-    if FMT == 0 or FMT == 1:
+    if BLOCK == 0:  # bf16 rows (NOPE == 0), or fp8 under one per-tensor kv_scale
         o_d = col0 + tl.arange(0, DW)
         # [BN, DW]
         b_k = tl.load(p_row[:, None] + o_d[None, :], mask=m_row[:, None], other=0.0)
-        if FMT == 1:  # e4m3 -> bf16 is exact; kv_scale is applied to scores and output
+        if NOPE > 0:  # e4m3 -> bf16 is exact; kv_scale is applied to scores and output
             b_k = b_k.to(tl.bfloat16)
     else:
-        # blocks of BLK e4m3 values with one UE8M0 scale byte each; fp8_ds_mla's block 7
-        # holds the 64 RoPE values as bf16 (bytes 448..575) instead.
-        BLK: tl.constexpr = 64 if FMT == 2 else 32
-        NQ: tl.constexpr = 7 if FMT == 2 else 16
-        o_c = col0 // BLK + tl.arange(0, DW // BLK)[None, :, None]
-        o_d = tl.arange(0, BLK)[None, None, :]
+        # blocks of BLOCK e4m3 values with one UE8M0 scale byte each; with bf16 RoPE values
+        # (NOPE < 512) the block after the last e4m3 one holds them (bytes NOPE..NOPE+127)
+        NQ: tl.constexpr = NOPE // BLOCK
+        o_c = col0 // BLOCK + tl.arange(0, DW // BLOCK)[None, :, None]
+        o_d = tl.arange(0, BLOCK)[None, None, :]
         m_q = m_row[:, None, None] & (o_c < NQ)
-        # [BN, DW // BLK, BLK]
-        b_x = tl.load(p_row[:, None, None] + o_c * BLK + o_d, mask=m_q, other=0)
-        # [BN, DW // BLK, 1]: 2^(e - 127) built from its exponent bits
+        # [BN, DW // BLOCK, BLOCK]
+        b_x = tl.load(p_row[:, None, None] + o_c * BLOCK + o_d, mask=m_q, other=0)
+        # [BN, DW // BLOCK, 1]: 2^(e - 127) built from its exponent bits
         b_e = tl.load(p_scale[:, None, None] + o_c, mask=m_q, other=127)
         b_scale = (b_e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         b_k = b_x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_scale
-        if FMT == 2:
-            o_r = tl.arange(0, 64)
-            m_rope = tl.where(col0 + DW > 448, m_row, False)[:, None]
+        if NOPE < 512:
+            ROPE: tl.constexpr = 512 - NOPE
+            tl.static_assert(ROPE == BLOCK, "the bf16 RoPE values take the place of one e4m3 block")
+            o_r = tl.arange(0, ROPE)
+            m_rope = tl.where(col0 + DW > NOPE, m_row, False)[:, None]
             if ROPE_BYTES:  # odd page stride: the bf16 values are not 2-byte aligned
-                p_lo = p_row[:, None] + 448 + 2 * o_r[None, :]
+                p_lo = p_row[:, None] + NOPE + 2 * o_r[None, :]
                 b_lo = tl.load(p_lo, mask=m_rope, other=0).to(tl.uint16)
                 b_hi = tl.load(p_lo + 1, mask=m_rope, other=0).to(tl.uint16)
                 b_rope = ((b_hi << 8) | b_lo).to(tl.bfloat16, bitcast=True)
             else:
-                p_rope = (p_row + 448).to(tl.pointer_type(tl.bfloat16))
-                # [BN, 64]
+                p_rope = (p_row + NOPE).to(tl.pointer_type(tl.bfloat16))
+                # [BN, ROPE]
                 b_rope = tl.load(p_rope[:, None] + o_r[None, :], mask=m_rope, other=0.0)
             b_k = tl.where(o_c == NQ, b_rope.to(tl.float32)[:, None, :], b_k)
         # e4m3 * 2^k is exact in bf16
@@ -124,7 +128,7 @@ def _sparse_mla_kernel(
     T, H, W, K, n_split, has_sink, qk_scale, kv_scale,
     s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
-    FMT: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    NOPE: tl.constexpr, BLOCK: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
     DSPLIT: tl.constexpr, PAGE_SHIFT: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr,
     ITERS: tl.constexpr,
 ):
@@ -191,12 +195,12 @@ def _sparse_mla_kernel(
         p_row = p_page + b_off * DATA
         p_scale = p_page + page * DATA + b_off * SCALE
         # [BN, DV]
-        b_k = _load_kv(p_row, p_scale, m_n, col, FMT, BN, DV, ROPE_BYTES)
+        b_k = _load_kv(p_row, p_scale, m_n, col, NOPE, BLOCK, BN, DV, ROPE_BYTES)
         if UPCAST:
             b_k = b_k.to(tl.float32)
         # [BH, BN]
         if DSPLIT == 2:
-            b_ko = _load_kv(p_row, p_scale, m_n, DV - col, FMT, BN, DV, ROPE_BYTES)
+            b_ko = _load_kv(p_row, p_scale, m_n, DV - col, NOPE, BLOCK, BN, DV, ROPE_BYTES)
             if UPCAST:
                 b_ko = b_ko.to(tl.float32)
             b_s = tl.dot(b_q, tl.trans(b_k), tl.dot(b_qo, tl.trans(b_ko)))
@@ -269,7 +273,7 @@ def sparse_mla_triton(
     iters = triton.cdiv(launch.blocks, launch.n_split) + 1 if INTERPRET else 0
     launchable(_sparse_mla_kernel, args.q)[launch.grid](
         *launch.args,
-        FMT=fmt.code, DATA=fmt.data_elems, SCALE=fmt.scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=launch.dsplit,
+        NOPE=fmt.nope, BLOCK=fmt.block, DATA=fmt.data_elems, SCALE=fmt.scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=launch.dsplit,
         PAGE_SHIFT=launch.page_shift, ROPE_BYTES=launch.rope_bytes, UPCAST=INTERPRET, ITERS=iters,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
