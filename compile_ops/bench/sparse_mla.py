@@ -8,16 +8,14 @@ than L2, it times:
   Gluon kernel, ``gluon``, and the portable ``tl`` kernel, ``triton``), for every ``kv_format``;
 * FlashMLA (``sgl-flash-mla``, ``use_legacy=True``) on the same ``fp8_ds_mla`` caches;
 * the plain-torch reference under ``torch.compile`` (bf16 caches, at ``--ref-T``: T = 1 and
-  128 by default, because it is slow: on the H200 the H=64 T=512 case alone took ~44 s to
-  compile and time, and T=2048 had not finished after four minutes).
+  128 by default: at larger T it takes minutes to compile and time).
 
 GPU work is timed by CUDA-graph replay: ``--calls`` calls (cycling over ``--sets`` input sets
 so that consecutive calls read different rows) are captured once, the graph is replayed
 ``--reps`` times and the median replay is divided by ``--calls``. Each timing starts after
 ``--settle`` idle seconds: after a heavy case the H200 caps its power (``nvidia-smi``: SW
-power cap, SM clock down to 1605 MHz) and the next case runs slower for up to a second
-(H=128 T=512 fp8_ds_mla: 365-373 us alone, 403-409 right after bf16), so back-to-back
-timings would favour whatever follows a light case. Reported per case:
+power cap, lower SM clock) and the next case runs slower for up to a second, so
+back-to-back timings would favour whatever follows a light case. Reported per case:
 microseconds, TFLOP/s (``4 T H A 512``, ``A = 128 + K`` attended entries), GB/s of KV rows,
 and % of roofline ``max(flops / 790e12, bytes / 4.3e12)`` (bytes: KV rows + indices + q,
 out and lse, each once). Writes ``sparse_mla.csv``, ``sparse_mla.md`` and ``sparse_mla.png``
@@ -270,7 +268,7 @@ def main(argv=None):
             bar.update(1)
     bar.close()
     # profiled last: once torch.profiler has run, every later graph replay of a small call
-    # takes 0.6-1.2 us longer (H200, T = 1)
+    # takes longer
     for H, K, T, fns in profile_jobs:
         for impl, fn in fns:
             for kernel, us in kernel_times(fn).items():
