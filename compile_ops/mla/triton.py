@@ -19,7 +19,7 @@ How it is computed (sources of the technique):
   is folded into the score scale and the output instead, which is exact.
 * Online softmax in base 2 with a running max and sum (FlashAttention-2).
 * Small ``T``: the entries of a token are split over ``n_split`` programs whose partial
-  ``(o, lse)`` land in a static per-device scratch and are merged by LSE in a second kernel,
+  ``(o, lse)`` land in a static per-device workspace and are merged by LSE in a second kernel,
   with the sink folded in as one more partial whose output is zero (flash-decoding split-K).
   Split bounds are computed from ``swa_lens`` / ``cmp_lens`` inside the kernel: no host sync.
 
