@@ -6,7 +6,6 @@ compressed index columns; every head is 512 wide (448 NoPE + 64 RoPE), value = k
 
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 import torch
@@ -176,15 +175,6 @@ are required here. Use it with static buffers under CUDA-graph capture.
 """
 
 
-def _layout_limits(module: str, name: str):
-    """A backend's ``limits``: ``module.name(args)``, imported once the predicate has passed."""
-
-    def limits(args):
-        return getattr(importlib.import_module(module), name)(args)
-
-    return limits
-
-
 # Triton releases whose sm_90 build of the Gluon kernel is tested spill-free
 # (tests/test_gluon_build.py): from 3.6, the first with this Gluon API, up to but not
 # including 3.9, whose register allocation spills the kernel in every format at one column
@@ -243,13 +233,13 @@ def _flashinfer_unavailable(device, kv_format):
 # run on such a GPU, only when chosen; the reference everywhere.
 backends.register_backend("sparse_mla", "gluon", _gluon_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.gluon", "sparse_mla_gluon")},
-                          limits=_layout_limits("compile_ops.mla.plan", "gluon_args_unsupported"))
+                          limits=backends.imported("compile_ops.mla.plan", "gluon_args_unsupported"))
 backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.flashmla", "sparse_mla_flashmla")},
-                          limits=_layout_limits("compile_ops.mla.flashmla", "flashmla_args_unsupported"))
+                          limits=backends.imported("compile_ops.mla.flashmla", "flashmla_args_unsupported"))
 backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton,
                           {"sparse_mla": backends.imported("compile_ops.mla.triton", "sparse_mla_triton")})
 backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.flashinfer", "sparse_mla_flashinfer")},
-                          limits=_layout_limits("compile_ops.mla.flashinfer", "flashinfer_args_unsupported"))
+                          limits=backends.imported("compile_ops.mla.flashinfer", "flashinfer_args_unsupported"))
 backends.register_backend("sparse_mla", "reference", backends.any_device, {"sparse_mla": sparse_mla_reference})

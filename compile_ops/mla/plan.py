@@ -85,25 +85,21 @@ def choose_split(T, H: int, blocks, dsplit: int, num_sms: int, rows: int):
     return torch.sym_max(1, torch.sym_min(blocks, torch.sym_min(num_sms // progs, rows // (T * H))))
 
 
-def gluon_layout_unsupported(q: Tensor, swa_cache: Tensor, cmp_cache: Optional[Tensor]) -> Optional[str]:
-    """``None`` when the Gluon kernel can read these tensors, else why not: it copies cache
-    rows and q's heads 16 bytes at a time."""
-    for name, cache in (("swa_cache", swa_cache), ("cmp_cache", cmp_cache)):
+def gluon_args_unsupported(args: SparseMLAArgs) -> Optional[str]:
+    """The ``gluon`` backend's limits: ``None`` when the Gluon kernel can read this call's
+    tensors, else why not (it copies cache rows and q's heads 16 bytes at a time)."""
+    for name, cache in (("swa_cache", args.swa_cache), ("cmp_cache", args.cmp_cache)):
         if cache is None:
             continue
         size = cache.element_size()
         if cache.stride(0) * size % 16 or cache.storage_offset() * size % 16:
             return (f"the Gluon kernel needs {name}'s pages 16-byte aligned (page stride and offset in bytes a "
                     f"multiple of 16), got stride(0) {cache.stride(0) * size} B, offset {cache.storage_offset() * size} B")
+    q = args.q
     q_strides = (q.stride(0), q.stride(1), q.storage_offset())
-    if q.stride(2) == 1 and any(s % 8 for s in q_strides):
+    if q.stride(2) == 1 and any(s % 8 for s in q_strides):  # else plan() makes q contiguous
         return f"the Gluon kernel needs q's token and head strides and offset multiples of 8, got {q_strides}"
     return None
-
-
-def gluon_args_unsupported(args: SparseMLAArgs) -> Optional[str]:
-    """The ``gluon`` backend's limits on one call's ``sparse_mla`` arguments."""
-    return gluon_layout_unsupported(args.q, args.swa_cache, args.cmp_cache)
 
 
 @dataclass
