@@ -8,6 +8,7 @@ Importing this package registers the ``torch.ops.dsv41`` custom ops:
   conversion to paged-cache slots.
 * :func:`lse_combine`, :func:`dcp_combine` -- merging partial attention by LSE, locally
   and across a decode-context-parallel group.
+* :func:`write_kv` -- quantizing rows into a paged KV cache.
 
 Backends are chosen with :data:`config` / :func:`use_backends` and reported by
 :func:`backend_for`; KV-cache formats live in :mod:`compile_ops.formats`.
@@ -17,7 +18,8 @@ import inspect
 
 from compile_ops.backends import BackendConfig, backend_for, config, use_backends
 from compile_ops.combine import dcp_combine, lse_combine
-from compile_ops.formats import KV_FORMATS, read_kv, write_kv
+from compile_ops.formats import KV_FORMATS, read_kv
+from compile_ops.kv import write_kv
 from compile_ops.slots import dcp_topk_to_slots, swa_indices, topk_to_slots
 from compile_ops.mla import sparse_mla, sparse_mla_out
 

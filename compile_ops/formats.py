@@ -35,7 +35,6 @@ from typing import Optional
 
 import torch
 
-from compile_ops import backends
 from compile_ops._checks import check_tensor
 
 HEAD_DIM = 512
@@ -155,13 +154,13 @@ def num_slots(cache: torch.Tensor) -> int:
     return cache.shape[0] * cache.shape[1]
 
 
-def _page_bytes(cache: torch.Tensor) -> torch.Tensor:
+def page_bytes(cache: torch.Tensor) -> torch.Tensor:
     """``[num_pages, page_bytes]`` uint8 view of ``cache`` honouring its page stride (a view,
     since each page is contiguous; no ``as_strided``, so torch.compile traces it)."""
     return cache.view(torch.uint8).flatten(1)
 
 
-def _row_byte_index(fmt: KVFormat, page_size: int, offset: torch.Tensor) -> torch.Tensor:
+def row_byte_index(fmt: KVFormat, page_size: int, offset: torch.Tensor) -> torch.Tensor:
     """Byte offsets inside a page of each slot's data row then scale row: ``[..., bytes_per_token]``."""
     data = offset.unsqueeze(-1) * fmt.data_bytes + torch.arange(fmt.data_bytes, device=offset.device)
     if fmt.scale_bytes == 0:
@@ -223,7 +222,7 @@ def decode_rows(rows: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> to
     return out.reshape(*lead, HEAD_DIM)
 
 
-def _locate(cache: torch.Tensor, slots: torch.Tensor):
+def locate_slots(cache: torch.Tensor, slots: torch.Tensor):
     """Page, in-page byte index and validity of each slot (invalid slots point at slot 0)."""
     fmt_pages, page_size = cache.shape[0], cache.shape[1]
     slots = slots.long()
@@ -241,60 +240,6 @@ def read_kv(cache: torch.Tensor, slots: torch.Tensor, kv_format: str, kv_scale: 
     fmt = check_cache("cache", cache, kv_format)
     if num_slots(cache) == 0:
         return torch.zeros(*slots.shape, HEAD_DIM, device=cache.device)
-    page, offset, valid = _locate(cache, slots)
-    rows = _page_bytes(cache)[page.unsqueeze(-1), _row_byte_index(fmt, cache.shape[1], offset)]
+    page, offset, valid = locate_slots(cache, slots)
+    rows = page_bytes(cache)[page.unsqueeze(-1), row_byte_index(fmt, cache.shape[1], offset)]
     return decode_rows(rows, kv_format, kv_scale) * valid.unsqueeze(-1)
-
-
-def write_rows_reference(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fmt) -> None:
-    """Store encoded rows ``rows [N, bytes_per_token]`` uint8 at ``slots [N]`` of ``cache``
-    (``fmt``'s page layout), skipping ``-1`` / out-of-range slots with no host sync: byte
-    deltas are added with ``index_put_(accumulate=True)`` and a skipped row adds zero."""
-    page, offset, valid = _locate(cache, slots)
-    pages = _page_bytes(cache)
-    index = (page.unsqueeze(-1).expand(-1, fmt.bytes_per_token), _row_byte_index(fmt, cache.shape[1], offset))
-    pages.index_put_(index, (rows - pages[index]) * valid.unsqueeze(-1), accumulate=True)
-
-
-def _check_write(cache, slots, kv, kv_format, kv_scale) -> KVFormat:
-    fmt = check_cache("cache", cache, kv_format)
-    check_tensor("slots", slots, (torch.int32, torch.int64), 1, cache.device)
-    check_tensor("kv", kv, (torch.bfloat16, torch.float16, torch.float32), 2, cache.device)
-    if kv.shape[0] != slots.shape[0] or kv.shape[1] != HEAD_DIM:
-        raise ValueError(f"kv must be [len(slots), {HEAD_DIM}] = [{slots.shape[0]}, {HEAD_DIM}], got {list(kv.shape)}")
-    if not float(kv_scale) > 0.0:
-        raise ValueError(f"kv_scale must be a positive float, got {kv_scale}")
-    return fmt
-
-
-@torch.library.custom_op("dsv41::write_kv", mutates_args=("cache",))
-def write_kv(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> None:
-    fmt = _check_write(cache, slots, kv, kv_format, kv_scale)
-    if num_slots(cache) == 0 or slots.shape[0] == 0:
-        return
-    backends.implementation("slots", "write_rows", cache.device)(cache, slots, encode_rows(kv, kv_format, kv_scale), fmt)
-
-
-@write_kv.register_fake
-def _(cache, slots, kv, kv_format, kv_scale=1.0):
-    _check_write(cache, slots, kv, kv_format, kv_scale)
-
-
-write_kv.__doc__ = """Quantize ``kv [N, 512]`` and write row ``i`` to slot ``slots[i]`` of ``cache``, in place.
-
-``slots`` is ``[N]`` int32/int64; rows whose slot is ``-1`` or out of range are skipped
-(CUDA-graph padding tokens) with no host sync and their memory is never written. Two
-valid rows with the same slot leave that slot's bytes undefined. The rows are encoded by
-:func:`encode_rows` and stored by the ``"slots"`` backend: a Triton kernel on CUDA (one
-masked store per row), ``index_put_`` of byte deltas elsewhere.
-
-Example::
-
-    >>> import torch
-    >>> from compile_ops.formats import new_cache, read_kv, write_kv
-    >>> cache = new_cache("fp8_dsv41", num_pages=2, page_size=4)
-    >>> kv = torch.ones(2, 512)
-    >>> write_kv(cache, torch.tensor([5, -1]), kv, "fp8_dsv41")
-    >>> read_kv(cache, torch.tensor([5]), "fp8_dsv41").unique().tolist()
-    [1.0]
-"""

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 import compile_ops
-from compile_ops.formats import KV_FORMATS, new_cache, read_kv, write_kv
+from compile_ops.formats import KV_FORMATS, new_cache, read_kv
+from compile_ops.kv import write_kv
 
 i32 = torch.int32
 
@@ -195,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:  # a device torch cannot use, or a backend that cannot run there: before any work
         device = torch.device(args.device)
-        with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, combine=args.backend):
-            for family in ("sparse_mla", "slots", "combine"):
+        with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, combine=args.backend, kv=args.backend):
+            for family in ("sparse_mla", "slots", "combine", "kv"):
                 compile_ops.backend_for(family, device)
     except (RuntimeError, ValueError) as err:
         parser.error(str(err))
     gen = torch.Generator().manual_seed(0)
-    with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, combine=args.backend):
+    with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, combine=args.backend, kv=args.backend):
         rows = [check_sparse_mla(f, gen, device) for f in KV_FORMATS]
         rows += check_slots(gen, device)
         rows.append(check_lse_combine(gen, device))

@@ -9,7 +9,7 @@ body under the mode; the Triton launchers see ``FunctionalTensor`` arguments and
 through :func:`torch.library.wrap_triton`, so the traced graph holds
 ``triton_kernel_wrapper_functional`` nodes that Inductor (and AOTInductor) compile into
 their own generated code next to the fused kernels around them, with no dispatcher call.
-``write_kv`` (the ``"slots"`` family) inlines as its torch quantizer, which Inductor fuses,
+``write_kv`` (the ``"kv"`` family) inlines as its torch quantizer, which Inductor fuses,
 plus the Triton row store, so an AOTInductor package of the decode step on CUDA calls no
 ``dsv41`` op at all. Anywhere else (CPU, the reference backend, FlashMLA / FlashInfer
 backends, and ``dcp_combine``, whose collectives stay calls) the rule falls through and the op stays an
@@ -44,7 +44,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 
 from compile_ops import backends
 from compile_ops.combine.ops import lse_combine
-from compile_ops.formats import write_kv
+from compile_ops.kv.ops import write_kv
 from compile_ops.mla.ops import sparse_mla, sparse_mla_out
 from compile_ops.slots.ops import dcp_topk_to_slots, swa_indices, topk_to_slots
 
@@ -56,7 +56,7 @@ INLINED_OPS: dict[CustomOpDef, tuple[str, str, Optional[str]]] = {
     dcp_topk_to_slots: ("slots", "topk", None),
     swa_indices: ("slots", "positions", None),
     lse_combine: ("combine", "partial_out", None),
-    write_kv: ("slots", "cache", None),
+    write_kv: ("kv", "cache", None),
 }
 
 _state = threading.local()

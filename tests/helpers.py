@@ -4,7 +4,8 @@ invalid entry, and the hypothesis example counts of the active profile."""
 import torch
 from hypothesis import settings
 
-from compile_ops.formats import new_cache, write_kv
+from compile_ops import write_kv
+from compile_ops.formats import new_cache
 
 
 def examples(share: float = 1.0) -> int:

@@ -9,7 +9,7 @@ from compile_ops.formats import new_cache
 from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.ops import gluon_triton_unsupported
 
-FAMILIES = ["sparse_mla", "slots", "combine"]
+FAMILIES = ["sparse_mla", "slots", "combine", "kv"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

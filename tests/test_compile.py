@@ -5,7 +5,8 @@ from expecttest import TestCase
 from torch._dynamo.utils import counters
 
 import compile_ops
-from compile_ops.formats import new_cache, write_kv
+from compile_ops import write_kv
+from compile_ops.formats import new_cache
 
 i32 = torch.int32
 PAGE, WINDOW, BLOCK = 4, 6, 2

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import compile_ops
-from compile_ops.formats import new_cache, read_kv, write_kv
+from compile_ops import write_kv
+from compile_ops.formats import new_cache, read_kv
 
 import oracle
 

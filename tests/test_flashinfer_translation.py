@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from compile_ops.formats import new_cache, read_kv, write_kv
+from compile_ops import write_kv
+from compile_ops.formats import new_cache, read_kv
 from compile_ops.mla import flashinfer as fi
 from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.reference import sparse_mla_reference

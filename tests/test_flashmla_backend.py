@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import compile_ops
-from compile_ops.formats import new_cache, num_slots, write_kv
+from compile_ops import write_kv
+from compile_ops.formats import new_cache, num_slots
 import torch.nn.functional as F
 
 from compile_ops.mla.flashmla import bound_indices, flashmla_unavailable, padded_heads, write_outputs

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compile_ops.formats import KV_FORMATS, get_format, new_cache, read_kv, write_kv
+from compile_ops import write_kv
+from compile_ops.formats import KV_FORMATS, get_format, new_cache, read_kv
 
 import oracle
 from helpers import examples

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import compile_ops
-from compile_ops.formats import KV_FORMATS, new_cache, write_kv
+from compile_ops import write_kv
+from compile_ops.formats import KV_FORMATS, new_cache
 
 from test_compile import decode_step, inputs
 
@@ -27,7 +28,7 @@ def no_host_sync():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_format", sorted(KV_FORMATS))
 def test_ops_make_no_host_sync(backend, kv_format, no_host_sync):
-    with compile_ops.use_backends(sparse_mla=backend, slots=backend, combine=backend):
+    with compile_ops.use_backends(sparse_mla=backend, slots=backend, combine=backend, kv=backend):
         cache = new_cache(kv_format, 4, 64, device="cuda")
         slots = torch.arange(-1, 255, device="cuda", dtype=torch.int32)
         compile_ops.write_kv(cache, slots, torch.randn(256, 512, device="cuda"), kv_format)
@@ -47,7 +48,7 @@ def test_ops_make_no_host_sync(backend, kv_format, no_host_sync):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_chain_replays_from_a_cuda_graph_with_new_inputs(backend):
     # the inputs are made on the CPU (write_kv there): "triton" can only be sparse_mla's
-    chosen = {"sparse_mla": backend} if backend == "triton" else dict(sparse_mla=backend, slots=backend, combine=backend)
+    chosen = {"sparse_mla": backend} if backend == "triton" else dict(sparse_mla=backend, slots=backend, combine=backend, kv=backend)
     with compile_ops.use_backends(**chosen):
         static = on_cuda(inputs(0))
         decode_step(*static)  # warm up: Triton compiles, workspaces are allocated

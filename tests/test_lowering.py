@@ -64,7 +64,7 @@ def test_inline_decision(monkeypatch):
     assert inlines(compile_ops.write_kv, cache, ints, kv, "fp8_dsv41")
     with inline_triton(False):
         assert not inlines(compile_ops.write_kv, cache, ints, kv, "fp8_dsv41")
-    with compile_ops.use_backends(slots="reference"):
+    with compile_ops.use_backends(kv="reference"):
         assert not inlines(compile_ops.write_kv, cache, ints, kv, "fp8_dsv41")
     assert not inlines(compile_ops.write_kv, new_cache("fp8_dsv41", num_pages=2, page_size=4), ints.cpu(), kv.cpu(), "fp8_dsv41")
 

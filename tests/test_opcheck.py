@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import compile_ops
-from compile_ops.formats import KV_FORMATS, new_cache, write_kv
+from compile_ops import write_kv
+from compile_ops.formats import KV_FORMATS, new_cache
 
 i32 = torch.int32
 ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")

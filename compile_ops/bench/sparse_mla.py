@@ -110,7 +110,8 @@ def kernel_times(fn, iters=20):
 
 
 def make_caches(kv_format, slots, device, gen):
-    from compile_ops.formats import get_format, new_cache, write_kv
+    from compile_ops.formats import get_format, new_cache
+    from compile_ops.kv import write_kv
 
     pages = slots // PAGE
     # FlashMLA pads fp8_ds_mla pages to a multiple of 576 bytes; we take any stride

@@ -1,5 +1,4 @@
-"""Slot conversion ops: ``topk_to_slots``, ``dcp_topk_to_slots``, ``swa_indices``; the
-``"slots"`` backends also store ``write_kv``'s rows (:mod:`compile_ops.formats`).
+"""Slot conversion ops: ``topk_to_slots``, ``dcp_topk_to_slots``, ``swa_indices``.
 
 Shape legend: ``T`` tokens, ``K`` top-k columns, ``R`` requests, ``B`` pages per request
 row of a block table, ``W`` the SWA window. A slot is ``page * page_size + offset``; ``-1``
@@ -13,7 +12,6 @@ from torch import Tensor
 
 from compile_ops import backends
 from compile_ops._checks import check_dim, check_int, check_tensor
-from compile_ops.formats import write_rows_reference
 from compile_ops.slots.reference import dcp_topk_to_slots_reference, swa_indices_reference, topk_to_slots_reference
 
 
@@ -94,13 +92,12 @@ def _(positions, token_to_req, block_table, page_size, window):
     return positions.new_empty((positions.shape[0], window)), positions.new_empty(positions.shape[0])
 
 
-# write_rows stores write_kv's encoded rows (compile_ops.formats)
-SLOT_OPS = ("topk_to_slots", "dcp_topk_to_slots", "swa_indices", "write_rows")
+SLOT_OPS = ("topk_to_slots", "dcp_topk_to_slots", "swa_indices")
 backends.register_backend("slots", "triton", backends.cuda_with_triton,
                           {op: backends.imported("compile_ops.slots.triton", f"{op}_triton") for op in SLOT_OPS})
 backends.register_backend("slots", "reference", backends.any_device, {
     "topk_to_slots": topk_to_slots_reference, "dcp_topk_to_slots": dcp_topk_to_slots_reference,
-    "swa_indices": swa_indices_reference, "write_rows": write_rows_reference,
+    "swa_indices": swa_indices_reference,
 })
 
 topk_to_slots.__doc__ = """Convert request-local compressed top-k ids to compacted cache slots (DCP world 1).

@@ -1,6 +1,5 @@
 """Plain-torch slot conversion: the meaning of ``topk_to_slots``, ``dcp_topk_to_slots`` and
-``swa_indices`` (int64 math, CPU and CUDA, no host syncs). ``write_kv``'s row store is
-:func:`compile_ops.formats.write_rows_reference`; the layer's write-slot mapping is
+``swa_indices`` (int64 math, CPU and CUDA, no host syncs). The layer's write-slot mapping is
 :mod:`compile_ops.slots.mapping`."""
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def worker(rank: int, world: int, store_path: str, backend: str, plan: list, log
     torch._dynamo.config.recompile_limit = 64  # one compile per (T, interleave, mode)
     try:
         group_name = dist.group.WORLD.group_name
-        log("backends: " + ", ".join(f"{f}={compile_ops.backend_for(f, device, 'bf16')}" for f in ("sparse_mla", "slots", "combine")))
+        log("backends: " + ", ".join(f"{f}={compile_ops.backend_for(f, device, 'bf16')}" for f in ("sparse_mla", "slots", "combine", "kv")))
         compiled = None
         for shape, interleave, mode, variants in plan:
             case = Case(shape, rank, world, interleave, group_name, device)
@@ -194,7 +194,7 @@ def worker(rank: int, world: int, store_path: str, backend: str, plan: list, log
             if "eager" in variants:
                 run_eager(case, mode, dcp_sparse_mla, f"{tag} eager ({compile_ops.backend_for('combine', device)} combine)", log)
             if "eager_reference" in variants:
-                with compile_ops.use_backends(slots="reference", combine="reference"):
+                with compile_ops.use_backends(slots="reference", combine="reference", kv="reference"):
                     run_eager(case, mode, dcp_sparse_mla, f"{tag} eager (reference slots+combine)", log)
             if "compile" in variants:
                 # static shapes: with automatic dynamic shapes a changed interleave would reach
@@ -204,7 +204,7 @@ def worker(rank: int, world: int, store_path: str, backend: str, plan: list, log
             if "graph" in variants:
                 run_graph(case, mode, f"{tag} graph", log)
             if "graph_reference" in variants:
-                with compile_ops.use_backends(slots="reference", combine="reference"):
+                with compile_ops.use_backends(slots="reference", combine="reference", kv="reference"):
                     run_graph(case, mode, f"{tag} graph (reference slots+combine)", log)
         dist.barrier()
     finally:
