@@ -3,7 +3,7 @@
 Importing this package registers the ``torch.ops.dsv41`` custom ops:
 
 * :func:`sparse_mla` / :func:`sparse_mla_out` -- sparse MLA over an SWA and a compressed
-  segment with an attention sink, base-2 LSE.
+  segment with an attention sink, base-2 LSE (:func:`sparse_mla_workspace`: its scratch).
 * :func:`topk_to_slots`, :func:`dcp_topk_to_slots`, :func:`swa_indices` -- index
   conversion to paged-cache slots.
 * :func:`lse_combine`, :func:`dcp_combine` -- merging partial attention by LSE, locally
@@ -21,7 +21,7 @@ from compile_ops.combine import dcp_combine, lse_combine
 from compile_ops.formats import KV_FORMATS, read_kv
 from compile_ops.kv import write_kv
 from compile_ops.slots import dcp_topk_to_slots, swa_indices, topk_to_slots
-from compile_ops.mla import sparse_mla, sparse_mla_out
+from compile_ops.mla import sparse_mla, sparse_mla_out, sparse_mla_workspace
 
 __version__ = "0.1.0"
 
@@ -43,6 +43,7 @@ __all__ = [
     "read_kv",
     "sparse_mla",
     "sparse_mla_out",
+    "sparse_mla_workspace",
     "swa_indices",
     "topk_to_slots",
     "use_backends",

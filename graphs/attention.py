@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
 from compile_ops.formats import new_cache
+from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.metadata import StepInputs, step_inputs
 from graphs.rope import apply_rope, rope_tables, yarn_inv_freq
@@ -229,6 +230,9 @@ class DSV41Attention(nn.Module):
         else:
             cmp_cache, self.topk = None, 0
         self.register_buffer("cmp_cache", cmp_cache, persistent=False)
+        # sparse_mla's scratch, sized for this device (moved with .to(), a smaller one only
+        # limits split-K): no call allocates it, so capture needs no warm-up for it
+        self.register_buffer("mla_workspace", sparse_mla_workspace(device or "cpu", cache.kv_format), persistent=False)
         self.register_buffer(
             "topk_ids", torch.full((cache.max_tokens, self.topk), -1, dtype=torch.int32, device=device), persistent=False
         )
@@ -299,9 +303,11 @@ class DSV41Attention(nn.Module):
                 self.topk_ids[:T], inp.token_to_req, inp.cmp_block_table, self.cache_cfg.block_size(ratio), valid
             )
 
-        o, _ = torch.ops.dsv41.sparse_mla(
+        o = q.new_empty(q.shape)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        torch.ops.dsv41.sparse_mla_out(
             q, self.swa_cache, swa_idx, swa_lens, self.cmp_cache, cmp_idx, cmp_lens, self.attn_sink,
-            self.softmax_scale, self.kv_format, self.kv_scale,
+            self.softmax_scale, self.kv_format, self.kv_scale, o, lse, self.mla_workspace,
         )
         o = _rope_last(o, rd, cos, sin, inverse=True)
         groups = self.cfg.o_groups

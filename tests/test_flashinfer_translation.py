@@ -256,7 +256,7 @@ def test_sm120_translation_matches_reference(H, K, sink_kind):
 
 
 def test_workspace_static():
-    ws = fi.workspace(torch.device("cpu"))
+    ws = fi.default_workspace(torch.device("cpu"))
     assert ws.numel() == 128 * 1024 * 1024 and ws.dtype == torch.uint8 and not ws[:4096].any()
-    assert fi.workspace(torch.device("cpu")) is ws
+    assert fi.default_workspace(torch.device("cpu")) is ws
     fi._WORKSPACES.clear()

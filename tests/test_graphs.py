@@ -162,7 +162,7 @@ class TestDecodeStepGraph(expecttest.TestCase):
         self.assertExpectedInline(dsv41_ops(graphs[0]), """\
 dsv41.write_kv
 dsv41.swa_indices
-dsv41.sparse_mla""")
+dsv41.sparse_mla_out""")
 
     def test_indexed_step(self):
         graphs, breaks = _dynamo_graphs(2)
@@ -172,14 +172,14 @@ dsv41.write_kv
 dsv41.swa_indices
 dsv41.write_kv
 dsv41.topk_to_slots
-dsv41.sparse_mla""")
+dsv41.sparse_mla_out""")
 
     def test_overlap_and_dense_steps_have_no_breaks(self):
         for ratio, max_seq_len in ((4, 32), (128, 256)):
             graphs, breaks = _dynamo_graphs(ratio, max_seq_len)
             self.assertEqual((len(graphs), breaks), (1, 0), f"ratio {ratio}")
             self.assertEqual(dsv41_ops(graphs[0]).split(), ["dsv41.write_kv", "dsv41.swa_indices", "dsv41.write_kv",
-                                                            "dsv41.topk_to_slots", "dsv41.sparse_mla"])
+                                                            "dsv41.topk_to_slots", "dsv41.sparse_mla_out"])
 
 
 def test_compiled_step_matches_eager_over_multistep_decode():

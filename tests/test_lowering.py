@@ -84,13 +84,14 @@ def test_compiled_decode_step_calls_ops_in_place():
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
     assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
     # the SWA write, the window, the compressed write, top-k -> slots, attention, in order;
-    # write_kv gets the cache buffer itself (a graph input), not a copy of it
+    # write_kv gets the cache buffer itself (a graph input), not a copy of it, and
+    # sparse_mla_out the layer's own workspace
     (FileCheck()
      .check_regex(r"torch\.ops\.dsv41\.write_kv\.default\(arg\d+_1,")
      .check("torch.ops.dsv41.swa_indices.default(")
      .check_regex(r"torch\.ops\.dsv41\.write_kv\.default\(arg\d+_1,")
      .check("torch.ops.dsv41.topk_to_slots.default(")
-     .check_regex(r"torch\.ops\.dsv41\.sparse_mla\.default\(buf\d+, arg\d+_1,")
+     .check_regex(r"torch\.ops\.dsv41\.sparse_mla_out\.default\(buf\d+, arg\d+_1,")
      .run(code))
     FileCheck().check_not("clone").check_not(".copy_(").check_not("aten.contiguous").run(code)
 
@@ -137,7 +138,7 @@ def test_export_step_reference_ops():
     """On the CPU every op stays a call (reference kernels); ``T`` is dynamic in [1, max_tokens]."""
     program = export_step(tiny_layer())
     assert remaining_custom_ops(program) == [
-        "dsv41.sparse_mla.default", "dsv41.swa_indices.default", "dsv41.topk_to_slots.default", "dsv41.write_kv.default",
+        "dsv41.sparse_mla_out.default", "dsv41.swa_indices.default", "dsv41.topk_to_slots.default", "dsv41.write_kv.default",
     ]
     (T,) = [s for s in program.range_constraints.values()]
     assert (T.lower, T.upper) == (1, 4)

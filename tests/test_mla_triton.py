@@ -186,6 +186,34 @@ def test_interpreter_dequantizes_every_byte_exactly(kv_format):
     check_every_byte(kv_format, 1, "cpu")
 
 
+@pytest.mark.parametrize("rows", [None, 3, 0], ids=["full", "3rows", "empty"])
+def test_interpreter_caller_workspace(rows):
+    """A caller's workspace holds the split-K partials: any size gives the reference's result
+    (a small one only caps the split), and the per-device default is never made."""
+    from compile_ops.mla import plan
+
+    args = make_case("fp8_dsv41", 2, 3, 8, 130, 4, seed=5)
+    size = plan.workspace_bytes(torch.device("cpu")) if rows is None else rows * plan.PART_BYTES
+    plan._DEFAULT.clear()
+    out, lse, ref_out, ref_lse = run_both((*args, torch.zeros(size, dtype=torch.uint8)), n_split=4)
+    assert not plan._DEFAULT
+    e_out, e_lse = errors(out, lse, ref_out, ref_lse)
+    assert e_out <= 1.0 and e_lse <= 1.0, (e_out, e_lse)
+
+
+@pytest.mark.parametrize("workspace,error,match", [
+    (torch.zeros(64, dtype=torch.float32), TypeError, "workspace must have dtype torch.uint8"),
+    (torch.zeros(4, 64, dtype=torch.uint8), ValueError, "workspace must have 1 dims"),
+    (torch.zeros(80, dtype=torch.uint8)[4:], ValueError, "offset a multiple of 16"),
+    (torch.zeros(80, dtype=torch.uint8)[::2], ValueError, "workspace must be contiguous"),
+], ids=["fp32", "2d", "offset", "strided"])
+def test_bad_workspace_is_a_clear_error(workspace, error, match):
+    args = make_case("bf16", 1, 2, 4, None, 4)
+    out, lse = torch.empty(1, 2, 512, dtype=torch.bfloat16), torch.empty(1, 2)
+    with pytest.raises(error, match=match):
+        compile_ops.sparse_mla_out(*args, out, lse, workspace)
+
+
 def test_gluon_kernel_refuses_the_interpreter():
     """The Gluon kernel has no interpreter: asking for it there is an error, not a silent
     fallback (the ``gluon`` backend's predicate keeps ``auto`` away from it off sm_90)."""
@@ -289,18 +317,25 @@ def test_gpu_dequantizes_every_byte_exactly(kv_format, backend):
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("kv_format", FORMATS)
 def test_gpu_graph_capture_new_indices(kv_format, backend):
-    """Capture sparse_mla_out once, then replay with new indices and lens copied in."""
+    """Capture sparse_mla_out with a caller's workspace once, then replay with new indices
+    and lens copied in."""
     needs(backend)
     T, H, W, K = 5, 64, 128, 512
     args = list(make_case(kv_format, T, H, W, K, 64, device="cuda", seed=1, pool_pages=64))
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(T, H, device="cuda")
+    from compile_ops.mla import plan
+
+    plan._DEFAULT.clear()
     with compile_ops.use_backends(sparse_mla=backend):
-        compile_ops.sparse_mla_out(*args, out, lse)  # warm-up: compiles, allocates the scratch
+        # warm-up: compiles the kernels; capture then writes a workspace no call has touched
+        compile_ops.sparse_mla_out(*args, out, lse, compile_ops.sparse_mla_workspace("cuda", kv_format))
         torch.cuda.synchronize()
+        workspace = compile_ops.sparse_mla_workspace("cuda", kv_format)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            compile_ops.sparse_mla_out(*args, out, lse)
+            compile_ops.sparse_mla_out(*args, out, lse, workspace)
+    assert not plan._DEFAULT  # no call made the per-device default
     gen = torch.Generator(device="cuda").manual_seed(2)
     for _ in range(2):
         for i in (2, 5):

@@ -53,6 +53,7 @@ def test_sparse_mla(kv_format, with_cmp, sink):
     out = torch.empty(3, 5, 512, dtype=torch.bfloat16)
     lse = torch.empty(3, 5)
     opcheck(torch.ops.dsv41.sparse_mla_out.default, (*args, out, lse))
+    opcheck(torch.ops.dsv41.sparse_mla_out.default, (*args, out, lse, compile_ops.sparse_mla_workspace("cpu")))
 
 
 def slot_inputs():

@@ -126,12 +126,16 @@ def flashinfer_unavailable(device: torch.device, kv_format: Optional[str]) -> Op
 
 def flashinfer_args_unsupported(args) -> Optional[str]:
     """The ``flashinfer`` backend's limits on one call's ``sparse_mla`` arguments: the SWA
-    width its kernels take (SM100: at most 128 columns; SM120: at most 1024)."""
+    width its kernels take (SM100: at most 128 columns; SM120: at most 1024) and the size of
+    a caller's workspace."""
     q, swa_indices = args.q, args.swa_indices
     major = torch.cuda.get_device_capability(q.device)[0]
     width = SM100_SWA_COLUMNS if major == 10 else SM120_SWA_WIDTHS[-1]
     if swa_indices.shape[1] > width:
         return f"FlashInfer's SM{major}x kernels take at most {width} SWA columns, got swa_indices of width {swa_indices.shape[1]}"
+    if args.workspace is not None and args.workspace.shape[0] < WORKSPACE_BYTES:
+        return (f"FlashInfer needs a zeroed workspace of at least {WORKSPACE_BYTES} bytes "
+                f"(compile_ops.sparse_mla_workspace makes one), got {args.workspace.shape[0]}")
     return None
 
 
@@ -140,12 +144,9 @@ def flashinfer_args_unsupported(args) -> Optional[str]:
 _WORKSPACES: dict[torch.device, Tensor] = {}
 
 
-def workspace(device: torch.device) -> Tensor:
-    """The static 128 MiB uint8 FlashInfer workspace of ``device``.
-
-    Allocated zeroed on first use and never grown or replaced. Call it once before CUDA
-    graph capture (an eager warm-up step does) so capture does not allocate it.
-    """
+def default_workspace(device: torch.device) -> Tensor:
+    """The 128 MiB uint8 FlashInfer workspace of calls that pass none, made zeroed on the
+    first such call and never grown or replaced."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -430,11 +431,11 @@ def sparse_mla_flashinfer(args, out, lse) -> None:
     columns, LSE computed in plain torch. SM12x: ``fp8_ds_mla``, page size 64 for the
     decode kernels, at most 1024 SWA columns, LSE from the kernel. Unverified on hardware.
     """
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, workspace = args
     if q.shape[0] == 0:
         return
     args = (q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens,
-            sink, sm_scale, kv_format, kv_scale, workspace(q.device))
+            sink, sm_scale, kv_format, kv_scale, workspace if workspace is not None else default_workspace(q.device))
     if torch.cuda.get_device_capability(q.device)[0] == 10:
         from flashinfer.mla import trtllm_batch_decode_sparse_mla_dsv4 as kernel
 
@@ -449,7 +450,7 @@ def sparse_mla_flashinfer(args, out, lse) -> None:
 
 
 __all__ = [
-    "flashinfer_unavailable", "unavailable_reason", "workspace", "head_chunks", "pad_heads",
+    "flashinfer_unavailable", "unavailable_reason", "default_workspace", "head_chunks", "pad_heads",
     "mask_segment", "empty_rows", "flat_rows", "slots_to_rows", "sm100_args", "sm120_swa_width",
     "lse_from_sm120", "lse_torch", "quantize_query_fp8", "plan_sm100", "plan_sm120", "finish",
     "sparse_mla_flashinfer",

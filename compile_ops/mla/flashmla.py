@@ -148,7 +148,7 @@ def flashmla_args_unsupported(args) -> Optional[str]:
 
 def sparse_mla_flashmla(args, out, lse):
     """Fill ``out`` / ``lse`` through ``flash_mla.flash_mla_with_kvcache(..., use_legacy=True)``."""
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, _ = args
     import flash_mla
 
     T, H, _ = q.shape

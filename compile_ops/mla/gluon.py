@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from compile_ops import formats
 from compile_ops.mla.merge import merge
 from compile_ops.mla.inputs import SparseMLAArgs
-from compile_ops.mla.plan import BN, UNSPECIALIZED, Workspace, gluon_args_unsupported, plan
+from compile_ops.mla.plan import BN, UNSPECIALIZED, gluon_args_unsupported, plan
 
 # The Gluon names that differ across the supported Triton releases (3.6 to 3.9), each the
 # same operation under its newer name where the installed Triton has it: 3.7 renamed
@@ -611,8 +611,7 @@ def launch_options(fmt: int, data: int, scale_bytes: int, page_shift: bool, dspl
     )
 
 
-def sparse_mla_gluon(args: SparseMLAArgs, out, lse, *, workspace: Optional[Workspace] = None,
-                     n_split: Optional[int] = None) -> None:
+def sparse_mla_gluon(args: SparseMLAArgs, out, lse, *, n_split: Optional[int] = None) -> None:
     """The ``"gluon"`` backend of ``dsv41::sparse_mla``: arguments, launch plan and LSE merge
     as :func:`compile_ops.mla.triton.sparse_mla_triton`'s, around this kernel. Raises
     ``ValueError`` for a layout the kernel cannot read
@@ -620,7 +619,7 @@ def sparse_mla_gluon(args: SparseMLAArgs, out, lse, *, workspace: Optional[Works
     reason = gluon_args_unsupported(args)
     if reason is not None:
         raise ValueError(reason)
-    launch = plan(args, out, lse, split_small_T=True, n_split=n_split, workspace=workspace)
+    launch = plan(args, out, lse, split_small_T=True, n_split=n_split)
     if launch is None:
         return
     if launch.traced or args.q.device.type != "cuda":

@@ -18,7 +18,8 @@ class SparseMLAArgs(NamedTuple):
     (``cmp_*`` all ``None`` for no compressed segment); ``swa_indices [T, W]`` /
     ``cmp_indices [T, K]`` int32 slots (``-1`` empty) with ``swa_lens`` / ``cmp_lens [T]``
     int32 counting each row's leading columns; ``sink [H]`` fp32 or ``None``; ``sm_scale``
-    multiplies ``<q, k>``; ``kv_scale`` is the ``fp8`` format's per-tensor scale.
+    multiplies ``<q, k>``; ``kv_scale`` is the ``fp8`` format's per-tensor scale;
+    ``workspace`` is the caller's scratch (1-D uint8) or ``None`` (the backend's default).
     A backend's ``run(args, out, lse)`` fills ``out [T, H, 512]`` bf16 and ``lse [T, H]``
     fp32 (base 2); its ``limits(args)`` returns why it cannot take this call, or ``None``.
     """
@@ -34,3 +35,4 @@ class SparseMLAArgs(NamedTuple):
     sm_scale: float
     kv_format: str
     kv_scale: float
+    workspace: Optional[Tensor] = None

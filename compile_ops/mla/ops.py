@@ -15,13 +15,14 @@ from compile_ops import backends
 from compile_ops._checks import check_dim, check_float, check_tensor
 from compile_ops.formats import HEAD_DIM, check_cache
 from compile_ops.mla.inputs import SparseMLAArgs
+from compile_ops.mla.plan import check_workspace, workspace_bytes
 from compile_ops.mla.reference import sparse_mla_reference
 
 
 def _checked(*args) -> SparseMLAArgs:
     """The op's positional arguments, validated (real and fake kernels alike)."""
     args = SparseMLAArgs(*args)
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, workspace = args
     check_tensor("q", q, torch.bfloat16, 3)
     if q.shape[2] != HEAD_DIM:
         raise ValueError(f"q must be [T, H, {HEAD_DIM}], got shape {tuple(q.shape)}")
@@ -50,6 +51,7 @@ def _checked(*args) -> SparseMLAArgs:
     check_float("sm_scale", sm_scale)
     if not float(kv_scale) > 0.0:
         raise ValueError(f"kv_scale must be a positive float, got {kv_scale}")
+    check_workspace(workspace, device)
     return args
 
 
@@ -67,7 +69,7 @@ def _check_outputs(q: Tensor, out: Tensor, lse: Tensor) -> None:
         raise ValueError(f"lse must be a contiguous [T, H] = [{T}, {H}] tensor, got shape {tuple(lse.shape)} strides {lse.stride()}")
 
 
-@torch.library.custom_op("dsv41::sparse_mla_out", mutates_args=("out", "lse"))
+@torch.library.custom_op("dsv41::sparse_mla_out", mutates_args=("out", "lse", "workspace"))
 def sparse_mla_out(
     q: Tensor,
     swa_cache: Tensor,
@@ -82,15 +84,19 @@ def sparse_mla_out(
     kv_scale: float,
     out: Tensor,
     lse: Tensor,
+    workspace: Optional[Tensor] = None,
 ) -> None:
-    args = _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    args = _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format,
+                    kv_scale, workspace)
     _check_outputs(q, out, lse)
     _run(args, out, lse)
 
 
 @sparse_mla_out.register_fake
-def _(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse):
-    _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+def _(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse,
+      workspace=None):
+    _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale,
+             workspace)
     _check_outputs(q, out, lse)
 
 
@@ -172,7 +178,26 @@ Example::
 sparse_mla_out.__doc__ = """:func:`sparse_mla` writing into caller-owned ``out [T, H, 512]`` bf16 and
 ``lse [T, H]`` fp32 (both contiguous); returns ``None``. ``kv_format`` and ``kv_scale``
 are required here. Use it with static buffers under CUDA-graph capture.
+
+``workspace`` is the backend's scratch, owned by the caller: a contiguous 1-D uint8 tensor
+from :func:`sparse_mla_workspace` (its contents are overwritten, never read by the next
+call). Any size is valid for the Triton and Gluon kernels (a smaller one only limits how
+far short steps are split over the GPU); FlashInfer needs the full size. ``None`` uses a
+per-device default made on the first call that needs it.
 """
+
+
+def sparse_mla_workspace(device, kv_format: str = "bf16") -> Tensor:
+    """A zeroed workspace for :func:`sparse_mla_out` on ``device``: ``[bytes]`` uint8, sized
+    for the backend chosen now for ``kv_format`` (the Triton / Gluon split-K partials,
+    ``num_sms * 64 * 2052`` bytes; FlashInfer's 128 MiB; at least the former always)."""
+    device = torch.device(device)
+    size = workspace_bytes(device)
+    if device.type == "cuda" and backends.backend_for("sparse_mla", device, kv_format) == "flashinfer":
+        from compile_ops.mla.flashinfer import WORKSPACE_BYTES
+
+        size = max(size, WORKSPACE_BYTES)
+    return torch.zeros(size, dtype=torch.uint8, device=device)
 
 
 # Triton releases whose sm_90 build of the Gluon kernel is tested spill-free

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from compile_ops._checks import check_tensor
 from compile_ops.formats import HEAD_DIM, LOG2E, KVFormat, get_format, num_slots
 from compile_ops.mla.inputs import SparseMLAArgs
 
@@ -38,43 +39,61 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-class Workspace:
-    """Split-K partials of one device: ``part_o [rows, 512]`` and ``part_lse [rows]`` fp32.
-
-    Allocated once at a fixed size and never grown. Splitting is only used while
-    ``T * ceil(H / BH) * n_split <= num_sms``, so ``n_split * T * H <= rows = num_sms * BH``
-    always holds. A caller that captures CUDA graphs may own one (``Workspace(device)``) and
-    pass it to every call; without one, :func:`default_workspace` is used.
-    """
-
-    def __init__(self, device) -> None:
-        device = torch.device(device)
-        self.num_sms, self.rows = workspace_size(device)
-        self.part_o = torch.empty(self.rows, HEAD_DIM, dtype=torch.float32, device=device)
-        self.part_lse = torch.empty(self.rows, dtype=torch.float32, device=device)
+PART_BYTES = (HEAD_DIM + 1) * 4  # one split-K partial row: o [512] fp32, then its lse
+WORKSPACE_ALIGN = 16  # bytes: the partials are read as fp32 vectors
 
 
-_DEFAULT: dict[torch.device, Workspace] = {}
-
-
-def workspace_size(device: torch.device) -> tuple[int, int]:
-    """``(num_sms, rows)`` of ``device``'s split-K workspace, without allocating it."""
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (``INTERPRETER_SMS`` off CUDA)."""
     device = torch.device(device)
     if device.type == "cuda":
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        num_sms = INTERPRETER_SMS
-    return num_sms, num_sms * BH
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SMS
 
 
-def default_workspace(device: torch.device) -> Workspace:
-    """The per-device workspace of calls that pass none, made on the first such call."""
+def workspace_bytes(device: torch.device) -> int:
+    """Bytes of a full split-K workspace of ``device``: ``num_sms * BH`` partial rows.
+
+    Splitting is only used while ``T * ceil(H / BH) * n_split <= num_sms``, so
+    ``n_split * T * H <= num_sms * BH`` rows always suffice."""
+    return num_sms(device) * BH * PART_BYTES
+
+
+def new_workspace(device: torch.device) -> Tensor:
+    """A split-K workspace of ``device``: ``[workspace_bytes(device)]`` uint8, uninitialized."""
+    return torch.empty(workspace_bytes(device), dtype=torch.uint8, device=device)
+
+
+_DEFAULT: dict[torch.device, Tensor] = {}
+
+
+def default_workspace(device: torch.device) -> Tensor:
+    """The per-device workspace of eager calls that pass none, made on the first such call
+    (under CUDA-graph capture too: it then lives in the graph's pool, held here)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _DEFAULT:
-        _DEFAULT[device] = Workspace(device)
+        _DEFAULT[device] = new_workspace(device)
     return _DEFAULT[device]
+
+
+def check_workspace(workspace: Optional[Tensor], device: torch.device) -> None:
+    """``workspace`` must be ``None`` or a contiguous 1-D uint8 tensor on ``device`` whose
+    offset is a multiple of 16 bytes; any size (a smaller one only limits split-K)."""
+    if workspace is None:
+        return
+    check_tensor("workspace", workspace, torch.uint8, 1, device)
+    if workspace.stride(0) != 1 or workspace.storage_offset() % WORKSPACE_ALIGN:
+        raise ValueError(f"workspace must be contiguous with an offset a multiple of {WORKSPACE_ALIGN} bytes, "
+                         f"got stride {workspace.stride(0)}, offset {workspace.storage_offset()}")
+
+
+def split_partials(workspace: Tensor) -> tuple[Tensor, Tensor]:
+    """``(part_o [rows, 512], part_lse [rows])`` fp32 views of a uint8 ``workspace``."""
+    rows = workspace.shape[0] // PART_BYTES
+    parts = workspace[: rows * PART_BYTES].view(torch.float32)
+    return parts[: rows * HEAD_DIM].view(rows, HEAD_DIM), parts[rows * HEAD_DIM:]
 
 
 def choose_split(T, H: int, blocks, dsplit: int, num_sms: int, rows: int):
@@ -124,14 +143,16 @@ class Launch:
 
 def plan(
     args: SparseMLAArgs, out: Tensor, lse: Tensor, *, bn: int = BN, dsplit: int = 1, split_small_T: bool = False,
-    n_split: Optional[int] = None, workspace: Optional[Workspace] = None,
+    n_split: Optional[int] = None,
 ) -> Optional[Launch]:
     """The launch of one validated call ``args`` writing ``out`` / ``lse``, or ``None`` when there is nothing to compute
     (``T == 0`` or ``H == 0``). Blocks hold ``bn`` gathered rows; ``dsplit`` programs share
     each head block (``512 / dsplit``
     output columns each); ``split_small_T`` makes it 2 while every program still holds a
-    block (the Gluon kernel, eager). ``n_split`` overrides the split-K count."""
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args
+    block (the Gluon kernel, eager). ``n_split`` overrides the split-K count. The partials
+    go to ``args.workspace``; without one, to :func:`default_workspace` (eager) or to
+    buffers of this launch (traced: a compiled graph owns its buffers)."""
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, workspace = args
     T, H, _ = q.shape
     if T == 0 or H == 0:
         return None
@@ -142,23 +163,22 @@ def plan(
         cmp_cache, cmp_indices, cmp_lens = swa_cache, swa_indices[:, :0], swa_lens
     W, K = swa_indices.shape[1], cmp_indices.shape[1]
     traced = isinstance(q, FunctionalTensor)
-    if traced:  # partials of this launch only: a traced graph owns its buffers (no global cache)
-        num_sms, rows = workspace_size(q.device)
-    else:
-        workspace = workspace or default_workspace(q.device)
-        num_sms, rows = workspace.num_sms, workspace.rows
+    sms = num_sms(q.device)
+    if workspace is None and not traced:
+        workspace = default_workspace(q.device)
+    rows = sms * BH if workspace is None else workspace.shape[0] // PART_BYTES
     blocks = _cdiv(W, bn) + _cdiv(K, bn)  # of bn entries, per token
-    if split_small_T and not traced and T * _cdiv(H, BH) * 2 * blocks <= num_sms:
+    if split_small_T and not traced and T * _cdiv(H, BH) * 2 * blocks <= sms:
         dsplit = 2  # few programs: two per head block, each storing half the columns
     if n_split is None:
-        n_split = choose_split(T, H, blocks, dsplit, num_sms, rows)
+        n_split = choose_split(T, H, blocks, dsplit, sms, rows)
     else:
         n_split = max(1, min(int(n_split), rows // (T * H)))
-    if traced:
+    if workspace is None:  # traced without a caller's workspace: partials of this launch
         part_o = torch.empty((n_split * T * H, HEAD_DIM), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((n_split * T * H,), dtype=torch.float32, device=q.device)
     else:
-        part_o, part_lse = workspace.part_o, workspace.part_lse
+        part_o, part_lse = split_partials(workspace)
     # fp8_ds_mla's bf16 RoPE values sit at odd addresses when a page stride is odd
     rope_bytes = fmt.bf16_rope and any(
         c.stride(0) % 2 or c.storage_offset() % 2 for c in (swa_cache, cmp_cache))

@@ -30,7 +30,7 @@ def sparse_mla_reference(args: SparseMLAArgs, out: torch.Tensor, lse: torch.Tens
     Tokens are processed in chunks of ``TOKEN_CHUNK`` so the gathered keys stay small;
     chunk bounds come from shapes, so no host sync happens.
     """
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, _ = args
     for start in range(0, q.shape[0], TOKEN_CHUNK):
         rows = slice(start, start + TOKEN_CHUNK)
         keys, valid = _segment_keys(swa_cache, swa_indices[rows], swa_lens[rows], kv_format, kv_scale)

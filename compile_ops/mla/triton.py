@@ -19,7 +19,7 @@ How it is computed (sources of the technique):
   is folded into the score scale and the output instead, which is exact.
 * Online softmax in base 2 with a running max and sum (FlashAttention-2).
 * Small ``T``: the entries of a token are split over ``n_split`` programs whose partial
-  ``(o, lse)`` land in a static per-device workspace and are merged by LSE in a second kernel,
+  ``(o, lse)`` land in the call's workspace and are merged by LSE in a second kernel,
   with the sink folded in as one more partial whose output is zero (flash-decoding split-K).
   Split bounds are computed from ``swa_lens`` / ``cmp_lens`` inside the kernel: no host sync.
 
@@ -50,7 +50,7 @@ from compile_ops import formats
 from compile_ops._launch import launchable
 from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.merge import merge
-from compile_ops.mla.plan import BH, BN, UNSPECIALIZED, Workspace, plan
+from compile_ops.mla.plan import BH, BN, UNSPECIALIZED, plan
 
 LOG2E = tl.constexpr(formats.LOG2E)
 # Under TRITON_INTERPRET=1 (CPU) tl.dot on bf16 operands returns garbage (docs/design.md,
@@ -242,16 +242,13 @@ def sparse_mla_triton(
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
-    workspace: Optional[Workspace] = None,
     n_split: Optional[int] = None,
     config: Optional[Config] = None,
 ) -> None:
     """Fill ``out [T, H, 512]`` bf16 and ``lse [T, H]`` fp32 (base 2); inputs already validated.
 
-    ``args`` as :func:`compile_ops.mla.reference.sparse_mla_reference` takes them. ``workspace``
-    holds the split-K partials (:class:`compile_ops.mla.plan.Workspace`; default: the
-    device's, made on the first call that needs it, so own one to capture without a
-    warm-up call); ``n_split`` and ``config`` (for tests and benchmarks) override the
+    ``args`` as :func:`compile_ops.mla.reference.sparse_mla_reference` takes them; the split-K
+    partials go to ``args.workspace`` (:func:`compile_ops.mla.plan.plan`); ``n_split`` and ``config`` (for tests and benchmarks) override the
     split-K count and the launch shape. Only shapes steer the launch: no host sync.
 
     Example (CUDA)::
@@ -266,7 +263,7 @@ def sparse_mla_triton(
         ...     out, lse = compile_ops.sparse_mla(q, cache, idx, lens, None, None, None, None, 0.044, "fp8_dsv41")
     """
     cfg = config or Config()
-    launch = plan(args, out, lse, bn=cfg.bn, dsplit=cfg.dsplit, n_split=n_split, workspace=workspace)
+    launch = plan(args, out, lse, bn=cfg.bn, dsplit=cfg.dsplit, n_split=n_split)
     if launch is None:
         return
     fmt = launch.fmt
