@@ -78,11 +78,6 @@ class KVFormat:
         return 0 < self.nope < HEAD_DIM
 
     @property
-    def code(self) -> int:
-        """The kernels' compile-time format id: the position in :data:`KV_FORMATS`."""
-        return list(KV_FORMATS).index(self.name)
-
-    @property
     def data_elems(self) -> int:
         """Cache elements (of ``dtype``) in one token's data row."""
         return self.data_bytes // torch.empty(0, dtype=self.dtype).element_size()

@@ -45,7 +45,7 @@ def build_sm90(kv_format, dsplit):
     from compile_ops.mla import gluon
 
     fmt = get_format(kv_format)
-    options = gluon.launch_options(fmt.code, fmt.data_elems, fmt.scale_bytes, page_shift=True, dsplit=dsplit)
+    options = gluon.launch_options(fmt, page_shift=True, dsplit=dsplit)
     num_warps, maxnreg = options.pop("num_warps"), options.pop("maxnreg")
     kernel = gluon._sparse_mla_ws_kernel
     names = list(inspect.signature(kernel.fn).parameters)

@@ -166,40 +166,40 @@ def _convert(x, e, SCALED: gl.constexpr):
 
 @gluon.jit
 def _dequantize(src, NB: gl.constexpr, off: gl.constexpr, tile, scales, j0: gl.constexpr, j1: gl.constexpr,
-                FMT: gl.constexpr, BN: gl.constexpr):
+                NOPE: gl.constexpr, BLOCK: gl.constexpr, BN: gl.constexpr):
     """The e4m3 bytes of column blocks ``j0 <= j < j1`` (64 columns of every row, 4 KB at
     ``_raw_words(src, NB)[off + j]``) -> bf16 columns ``64 j .. 64 j + 63`` of
     ``tile``, times their UE8M0 scale bytes (``scales[row, NS j ..]``; ``fp8`` has none).
     Block ``j + 1`` is loaded before block ``j`` is stored: the pass is bound by load
     latency, which this overlaps."""
-    NS: gl.constexpr = 2 if FMT == 3 else 1  # scale bytes per 64 columns
+    NS: gl.constexpr = _scales_per_64(BLOCK)  # scale bytes per 64 columns
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, NS, 4 // NS], [4, 1, 1], [2, 1, 0])
-    raw = _raw_words(src, NB, FMT, BN)
-    x, e = _raw_block(raw, off, scales, j0, FMT, BN, LW)
+    raw = _raw_words(src, NB, NOPE, BLOCK, BN)
+    x, e = _raw_block(raw, off, scales, j0, NOPE, BLOCK, BN, LW)
     for j in gl.static_range(j0, j1):
         # the next block's loads go out before this block's store (never overlapping it)
         if j + 1 < j1:
-            x_next, e_next = _raw_block(raw, off, scales, j + 1, FMT, BN, LW)
-        tile.slice(64 * j, 64, dim=1).store(_convert(x, e, FMT != 1))
+            x_next, e_next = _raw_block(raw, off, scales, j + 1, NOPE, BLOCK, BN, LW)
+        tile.slice(64 * j, 64, dim=1).store(_convert(x, e, not _tensor_scaled(NOPE, BLOCK)))
         if j + 1 < j1:
             x, e = x_next, e_next
 
 
 @gluon.jit
-def _raw_words(buf, NB: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr):
+def _raw_words(buf, NB: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, BN: gl.constexpr):
     """``buf`` (a key tile: ``NB = 16``, or the staging buffer: ``NB = 4``) as ``NB`` 4 KB
     raw column blocks of words ``[NB, BN, NS, 16 / NS]``."""
-    NS: gl.constexpr = 2 if FMT == 3 else 1
+    NS: gl.constexpr = _scales_per_64(BLOCK)
     return _reinterpret(buf, gl.int32, [NB, BN, NS, 16 // NS], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
 
 
 @gluon.jit
-def _raw_block(raw, off: gl.constexpr, scales, j: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr,
+def _raw_block(raw, off: gl.constexpr, scales, j: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, BN: gl.constexpr,
                LW: gl.constexpr):
     """Column block ``j``'s raw words ``[BN, NS, 16 / NS]`` and scale bytes ``[BN, NS, 1]``."""
-    NS: gl.constexpr = 2 if FMT == 3 else 1
+    NS: gl.constexpr = _scales_per_64(BLOCK)
     x = raw.index(off + j).load(LW)
-    if FMT == 1:  # one scale for the whole cache, applied to the scores and the output
+    if _tensor_scaled(NOPE, BLOCK):  # one scale for the whole cache, applied to the scores and the output
         e = gl.full([BN, NS, 1], 127, gl.uint8, LW)
     else:
         e = scales.slice(NS * j, NS, dim=1).load(gl.SliceLayout(2, LW)).expand_dims(2)
@@ -208,7 +208,7 @@ def _raw_block(raw, off: gl.constexpr, scales, j: gl.constexpr, FMT: gl.constexp
 
 @gluon.jit
 def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
-              FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+              NOPE: gl.constexpr, BLOCK: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
               BN: gl.constexpr, STAGES: gl.constexpr):
     """The producer warpgroup: each block's rows into the next free tile (``empty``), its
     score bias next to it, then ``ready`` (see the module docstring). Every block's slots
@@ -219,7 +219,7 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
     n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
     n = i_b1 - i_b0
     slot_args = (i_t, n_swa, n_cmp, nb_swa, seg)
-    if FMT == 0:  # 16 bytes per thread and cp.async, 4 rows of 128 bytes per warp and copy
+    if NOPE == 0:  # 16 bytes per thread and cp.async, 4 rows of 128 bytes per warp and copy
         LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         o_r = gl.arange(0, BN, gl.SliceLayout(1, LC))
         o_d = gl.arange(0, 512, gl.SliceLayout(0, LC))
@@ -247,13 +247,13 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
         # is free (see _copy_tile), and are converted in place after the staged ones
         L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _copy_layout()))
         o_r = gl.arange(0, BN, L_ROW)
-        NCB: gl.constexpr = 7 if FMT == 2 else 8
-        if FMT == 1:  # no scale bytes: ``scale_buf`` is the key tiles, never read as scales
+        NCB: gl.constexpr = NOPE // 64
+        if _tensor_scaled(NOPE, BLOCK):  # no scale bytes: ``scale_buf`` is the key tiles, never read as scales
             scales = scale_buf
         else:
             scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         rows_next = _copy_staged(stage_buf, scale_buf.index(0), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
-                                 nb_swa, seg, DATA, SCALE, PAGE_SHIFT, FMT, BN)
+                                 nb_swa, seg, DATA, SCALE, PAGE_SHIFT, NOPE, BLOCK, BN)
         async_copy.commit_group()
         slot_next = _slots(i_b0 + 1, o_r, n > 1, *slot_args, BN)
         for i in range(n):
@@ -263,33 +263,51 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
             tile = kbuf.index(st)
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
-            _copy_tile(tile, p_row, valid, FMT, BN)
+            _copy_tile(tile, p_row, valid, NOPE, BLOCK, BN)
             async_copy.commit_group()
             async_copy.wait_group(1)  # block i's staged bytes have landed
             _cta_barrier()
-            _dequantize(stage_buf, 4, 0, tile, scales.index(st), 0, 4, FMT, BN)
+            _dequantize(stage_buf, 4, 0, tile, scales.index(st), 0, 4, NOPE, BLOCK, BN)
             _cta_barrier()  # every thread has read the staged bytes
             rows_next = _copy_staged(stage_buf, scale_buf.index((i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa, seg,
-                                     DATA, SCALE, PAGE_SHIFT, FMT, BN)
+                                     DATA, SCALE, PAGE_SHIFT, NOPE, BLOCK, BN)
             slot_next = slot_after
             async_copy.commit_group()
             async_copy.wait_group(1)  # block i's tile part has landed
             _cta_barrier()
-            _dequantize(tile, 16, _raw_offset(FMT), tile, scales.index(st), 4, NCB, FMT, BN)
+            _dequantize(tile, 16, _raw_offset(NOPE), tile, scales.index(st), 4, NCB, NOPE, BLOCK, BN)
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(ready.index(st), count=1)
 
 
 @gluon.constexpr_function
-def _raw_offset(FMT):
+def _tensor_scaled(NOPE, BLOCK):
+    """e4m3 values under one per-tensor scale (``fp8``): no scale bytes in the rows."""
+    return NOPE > 0 and BLOCK == 0
+
+
+@gluon.constexpr_function
+def _bf16_rope(NOPE):
+    """The RoPE columns ``NOPE..511`` stored as bf16 after the e4m3 ones (``fp8_ds_mla``)."""
+    return 0 < NOPE < 512
+
+
+@gluon.constexpr_function
+def _scales_per_64(BLOCK):
+    """UE8M0 scale bytes per 64 columns (one per ``BLOCK`` values; 1 when unscaled)."""
+    return 64 // BLOCK if BLOCK else 1
+
+
+@gluon.constexpr_function
+def _raw_offset(NOPE):
     """Where a tile holds its block's raw column blocks ``r >= 4``: ``raw[off + r]`` (4 KB
     each). bf16 column block ``j`` (``raw[2 j]``, ``raw[2 j + 1]``) then overwrites only raw
     blocks already read, given that :func:`_dequantize` loads block ``j + 1`` before storing
     block ``j``: ``fp8_ds_mla`` (raw 4..6 at 8..10, RoPE at 14..15): ``j = 4`` covers raw 4
     and 5, ``j = 5`` raw 6; the others (raw 4..7 at 12..15): ``j = 6`` covers raw 4 and 5,
     ``j = 7`` raw 6 and 7."""
-    return 4 if FMT == 2 else 8
+    return 4 if _bf16_rope(NOPE) else 8
 
 
 @gluon.constexpr_function
@@ -301,7 +319,7 @@ def _copy_layout():
 
 @gluon.jit
 def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr,
-                 PAGE_SHIFT: gl.constexpr, FMT: gl.constexpr, BN: gl.constexpr):
+                 PAGE_SHIFT: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, BN: gl.constexpr):
     """Block ``i_b``'s raw column blocks 0..3 (rows ``slot``) into ``stage_buf`` and its scale
     bytes into ``scale_st``, by ``cp.async`` (for the caller to commit). Returns each row's
     pointer and whether it is valid, for the rest of the block (:func:`_copy_tile`)."""
@@ -313,7 +331,7 @@ def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr
     o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     _async_load(stage_buf, p_row[None, :, None] + o_j * 16 + o_w,
                                            mask=valid[None, :, None])
-    if FMT != 1:
+    if not _tensor_scaled(NOPE, BLOCK):
         SW: gl.constexpr = SCALE // 4
         LS: gl.constexpr = gl.BlockedLayout([1, SW], [8, 4], [4, 1], [1, 0])  # rows as in L3: no layout conversion
         p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, SCALE), gl.SliceLayout(1, LS))
@@ -325,25 +343,25 @@ def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr
 
 
 @gluon.jit
-def _copy_tile(tile, p_row, valid, FMT: gl.constexpr, BN: gl.constexpr):
+def _copy_tile(tile, p_row, valid, NOPE: gl.constexpr, BLOCK: gl.constexpr, BN: gl.constexpr):
     """A block's raw column blocks ``r >= 4`` into its (free) tile at ``raw[_raw_offset + r]``
     (4 KB each), and ``fp8_ds_mla``'s bf16 RoPE columns straight into columns 448..511, by
     ``cp.async`` (for the caller to commit)."""
     L3: gl.constexpr = _copy_layout()
-    NCB: gl.constexpr = 7 if FMT == 2 else 8
-    RB: gl.constexpr = _raw_offset(FMT) + 4
+    NCB: gl.constexpr = NOPE // 64
+    RB: gl.constexpr = _raw_offset(NOPE) + 4
     raw = _reinterpret(tile, gl.int32, [16, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
     o_j = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
     o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     _async_load(
         raw.slice(RB, 4), p_row.to(gl.pointer_type(gl.int32))[None, :, None] + (4 + o_j) * 16 + o_w,
         mask=valid[None, :, None] & (4 + o_j < NCB))
-    if FMT == 2:
+    if _bf16_rope(NOPE):
         LR: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        p_rope = gl.convert_layout(p_row + 448, gl.SliceLayout(1, LR)).to(gl.pointer_type(gl.bfloat16))
-        o_c = gl.arange(0, 64, gl.SliceLayout(0, LR))
+        p_rope = gl.convert_layout(p_row + NOPE, gl.SliceLayout(1, LR)).to(gl.pointer_type(gl.bfloat16))
+        o_c = gl.arange(0, 512 - NOPE, gl.SliceLayout(0, LR))
         _async_load(
-            tile.slice(448, 64, dim=1), p_rope[:, None] + o_c[None, :],
+            tile.slice(NOPE, 512 - NOPE, dim=1), p_rope[:, None] + o_c[None, :],
             mask=gl.convert_layout(valid, gl.SliceLayout(1, LR))[:, None])
 
 
@@ -531,7 +549,7 @@ def _sparse_mla_ws_kernel(
     T, H, W, K, n_split, has_sink, qk_scale, kv_scale,
     s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
-    FMT: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+    NOPE: gl.constexpr, BLOCK: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, DSPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     RIGHT_REGS: gl.constexpr,
 ):
@@ -558,7 +576,7 @@ def _sparse_mla_ws_kernel(
     b_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], q_layout)
     kbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], k_layout)
-    if FMT == 0:
+    if NOPE == 0:
         stage_buf = kbuf
     else:  # raw column blocks 0..3 of the next block (see _producer)
         stage_buf = gl.allocate_shared_memory(gl.int32, [4, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
@@ -566,7 +584,7 @@ def _sparse_mla_ws_kernel(
     alpha_smem = gl.allocate_shared_memory(gl.float32, [64], b_layout)
     ml_smem = gl.allocate_shared_memory(gl.float32, [2, 64], b_layout)
     bias = gl.allocate_shared_memory(gl.float32, [STAGES, BN], b_layout)
-    if FMT == 1:
+    if _tensor_scaled(NOPE, BLOCK):
         scale_buf = kbuf
     else:  # each row's UE8M0 scale bytes (8 or 16), filled by cp.async
         scale_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -596,16 +614,16 @@ def _sparse_mla_ws_kernel(
         (_consumer_right, (kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
                            i_t, i_hb, i_s, c_left + NCB, span_args, epilogue_args, BN, STAGES, NCB)),
         (_producer, (kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
-                     FMT, DATA, SCALE, PAGE_SHIFT, BN, STAGES)),
+                     NOPE, BLOCK, DATA, SCALE, PAGE_SHIFT, BN, STAGES)),
     ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
 
 
-def launch_options(fmt: int, data: int, scale_bytes: int, page_shift: bool, dsplit: int) -> dict:
+def launch_options(fmt: formats.KVFormat, page_shift: bool, dsplit: int) -> dict:
     """Every :func:`_sparse_mla_ws_kernel` launch's compile-time arguments and options
-    (``num_warps``, ``maxnreg``) for a format code, its row layout and ``dsplit`` (1 or 2
-    programs per head block)."""
+    (``num_warps``, ``maxnreg``): the format's kernel constants, the page shift and
+    ``dsplit`` (1 or 2 programs per head block)."""
     return dict(
-        FMT=fmt, DATA=data, SCALE=scale_bytes, PAGE_SHIFT=page_shift,
+        NOPE=fmt.nope, BLOCK=fmt.block, DATA=fmt.data_elems, SCALE=fmt.scale_bytes, PAGE_SHIFT=page_shift,
         BN=BN, STAGES=STAGES, DSPLIT=dsplit, PRODUCER_REGS=PRODUCER_REGS, RIGHT_REGS=RIGHT_REGS,
         num_warps=4, maxnreg=MAX_REGS, launch_pdl=True,
     )
@@ -624,7 +642,6 @@ def sparse_mla_gluon(args: SparseMLAArgs, out, lse, *, n_split: Optional[int] = 
         return
     if launch.traced or args.q.device.type != "cuda":
         raise RuntimeError("the Gluon kernel runs eagerly on sm_90 only: not traced, not interpreted")
-    fmt = launch.fmt
-    options = launch_options(fmt.code, fmt.data_elems, fmt.scale_bytes, launch.page_shift, launch.dsplit)
+    options = launch_options(launch.fmt, launch.page_shift, launch.dsplit)
     _sparse_mla_ws_kernel[launch.grid](*launch.args, **options)
     merge(launch, out, lse, after_gluon=True)
