@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from compile_ops import backends
+from compile_ops._compat import omittable_mutated_args
 from compile_ops._checks import check_dim, check_float, check_tensor
 from compile_ops.formats import HEAD_DIM, check_cache
 from compile_ops.mla.inputs import SparseMLAArgs
@@ -69,6 +70,7 @@ def _check_outputs(q: Tensor, out: Tensor, lse: Tensor) -> None:
         raise ValueError(f"lse must be a contiguous [T, H] = [{T}, {H}] tensor, got shape {tuple(lse.shape)} strides {lse.stride()}")
 
 
+@omittable_mutated_args
 @torch.library.custom_op("dsv41::sparse_mla_out", mutates_args=("out", "lse", "workspace"))
 def sparse_mla_out(
     q: Tensor,
