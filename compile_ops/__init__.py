@@ -9,6 +9,8 @@ Importing this package registers the ``torch.ops.dsv41`` custom ops:
 * :func:`lse_combine`, :func:`dcp_combine` -- merging partial attention by LSE, locally
   and across a decode-context-parallel group.
 * :func:`write_kv` -- quantizing rows into a paged KV cache.
+* :func:`write_index_keys`, :func:`indexer_topk`, :func:`dcp_indexer_topk` -- the indexer's
+  paged fp8 index-key cache and its length-bounded top-k.
 
 Backends are chosen with :data:`config` / :func:`use_backends` and reported by
 :func:`backend_for`; KV-cache formats live in :mod:`compile_ops.formats`.
@@ -20,6 +22,7 @@ from compile_ops.backends import BackendConfig, backend_for, config, use_backend
 from compile_ops.combine import dcp_combine, lse_combine
 from compile_ops.formats import KV_FORMATS, read_kv
 from compile_ops.kv import write_kv
+from compile_ops.indexer import dcp_indexer_topk, indexer_topk, write_index_keys
 from compile_ops.slots import dcp_topk_to_slots, swa_indices, topk_to_slots
 from compile_ops.mla import sparse_mla, sparse_mla_out, sparse_mla_workspace
 
@@ -27,7 +30,8 @@ __version__ = "0.1.0"
 
 # a torch.library custom op is called through CustomOpDef.__call__(*args, **kwargs): give
 # inspect.signature, help() and editors the op's own signature
-for _op in (dcp_combine, dcp_topk_to_slots, lse_combine, sparse_mla, sparse_mla_out, swa_indices, topk_to_slots, write_kv):
+for _op in (dcp_combine, dcp_indexer_topk, dcp_topk_to_slots, indexer_topk, lse_combine, sparse_mla, sparse_mla_out,
+            swa_indices, topk_to_slots, write_index_keys, write_kv):
     _op.__signature__ = inspect.signature(_op._init_fn)
 del _op
 
@@ -38,7 +42,9 @@ __all__ = [
     "backend_for",
     "config",
     "dcp_combine",
+    "dcp_indexer_topk",
     "dcp_topk_to_slots",
+    "indexer_topk",
     "lse_combine",
     "read_kv",
     "sparse_mla",
@@ -47,5 +53,6 @@ __all__ = [
     "swa_indices",
     "topk_to_slots",
     "use_backends",
+    "write_index_keys",
     "write_kv",
 ]

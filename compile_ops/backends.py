@@ -1,6 +1,6 @@
 """Which implementation runs an op: explicit, overridable, never read from the environment.
 
-Each op family (``"sparse_mla"``, ``"slots"``, ``"combine"``, ``"kv"``) has backends registered in
+Each op family (``"sparse_mla"``, ``"slots"``, ``"combine"``, ``"kv"``, ``"indexer"``) has backends registered in
 priority order, every one the same way: a name, a mapping from each of the family's ops to
 the function that runs it, a predicate that returns ``None`` when the backend can run on a device
 and format, or a *reason* string when it cannot, and optionally a second one, ``limits``,
@@ -41,6 +41,7 @@ class BackendConfig:
     slots: str = "auto"
     combine: str = "auto"
     kv: str = "auto"
+    indexer: str = "auto"
 
 
 config = BackendConfig()

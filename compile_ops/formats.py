@@ -168,7 +168,7 @@ def row_byte_index(fmt: KVFormat, page_size: int, offset: torch.Tensor) -> torch
     return torch.cat([data, scale], dim=-1)
 
 
-def _ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
+def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
     """``ceil(log2(max(amax, 1e-4) / 448)) + 127`` computed exactly with frexp."""
     mantissa, exponent = torch.frexp(amax.clamp_min(AMAX_FLOOR) / E4M3_MAX)
     return exponent - (mantissa == 0.5).to(exponent.dtype) + UE8M0_BIAS
@@ -184,7 +184,7 @@ def encode_rows(kv: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> torc
         return (kv / kv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     n = kv.shape[0]
     blocks = kv[:, : fmt.nope].reshape(n, fmt.nope // fmt.block, fmt.block)
-    exponent = _ue8m0_exponent(blocks.abs().amax(-1))
+    exponent = ue8m0_exponent(blocks.abs().amax(-1))
     scale = torch.ldexp(torch.ones_like(blocks[..., 0]), exponent - UE8M0_BIAS)
     e4m3 = (blocks / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     parts = [e4m3.reshape(n, fmt.nope).view(torch.uint8)]

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from compile_ops import backends
 from compile_ops._checks import check_tensor
+from compile_ops._groups import group_size
 from compile_ops.combine.reference import dcp_combine_reference, lse_combine_reference
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -38,21 +39,6 @@ def _(partial_out, partial_lse):
     _check_lse_combine(partial_out, partial_lse)
     _, T, H, D = partial_out.shape
     return partial_out.new_empty((T, H, D)), partial_lse.new_empty((T, H))
-
-
-def group_size(group_name: str) -> int:
-    """Size of the c10d process group registered as ``group_name`` (``ValueError`` if none)."""
-    if not isinstance(group_name, str):
-        raise TypeError(f"group_name must be a str (a c10d group name), got {type(group_name).__name__}")
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"group_name {group_name!r}: torch.distributed is not initialized")
-    try:
-        return _resolve_process_group(group_name).size()
-    except (RuntimeError, ValueError, KeyError) as err:
-        raise ValueError(f"group_name {group_name!r} names no c10d process group ({err})") from None
 
 
 def _check_dcp_combine(out: Tensor, lse: Tensor, group_name: str, mode: str) -> int:

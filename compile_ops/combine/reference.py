@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from compile_ops._groups import group_rank
+
 
 def lse_weights(partial_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised weights ``2**(L_r - L)`` ``[N, ...]`` and the merged base-2 LSE ``L``.
@@ -30,12 +32,6 @@ def _c10d():
     return torch.ops._c10d_functional
 
 
-def _rank(group_name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).rank()
-
-
 def _pack(out: torch.Tensor, lse: torch.Tensor, world: int) -> torch.Tensor:
     """``[world, bytes]`` uint8: row ``r`` holds head slice ``r``'s out then its fp32 LSE."""
     T, H_all, D = out.shape
@@ -60,7 +56,7 @@ def dcp_combine_ag_rs(out: torch.Tensor, lse: torch.Tensor, group_name: str, wor
     c10d = _c10d()
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(lse.contiguous(), world, group_name))
     weights, merged = lse_weights(gathered.view(world, T, H_all))
-    rank = _rank(group_name)
+    rank = group_rank(group_name)
     rank_weight = weights[rank]
     scaled = torch.where(rank_weight.unsqueeze(-1) > 0, out.float() * rank_weight.unsqueeze(-1), 0.0)
     by_slice = scaled.to(out.dtype).view(T, world, H, D).transpose(0, 1).contiguous()

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from compile_ops._groups import group_rank
 from compile_ops._launch import launchable
-
-from compile_ops.combine.reference import _c10d, _rank
+from compile_ops.combine.reference import _c10d
 
 TILE = 4096  # elements of one [BLOCK_N, BLOCK_D] tile
 ALIGN = 16  # bytes; row alignment of the a2a pack
@@ -251,7 +251,7 @@ def dcp_combine_triton(out: torch.Tensor, lse: torch.Tensor, group_name: str, wo
     c10d = _c10d()
     if mode == "ag_rs":
         gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(lse.contiguous(), world, group_name))
-        scaled, mine = dcp_rescale_triton(out, gathered.view(world, T, H_all), _rank(group_name))
+        scaled, mine = dcp_rescale_triton(out, gathered.view(world, T, H_all), group_rank(group_name))
         reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(scaled, "sum", world, group_name))
         return reduced.view(T, H, D), mine
     packed = a2a_pack(out, lse, world)

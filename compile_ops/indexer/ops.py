@@ -1,0 +1,218 @@
+"""Indexer ops: ``write_index_keys``, ``indexer_topk``, ``dcp_indexer_topk``.
+
+Shape legend: ``T`` tokens, ``Hi`` indexer heads, ``R`` requests, ``B`` pages per block-table
+row, ``L = B * page_size`` entries a row can address, ``k`` ids per token. An entry is a
+request-local compressed id; ``-1`` marks none. Outputs' shapes come from input shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from compile_ops import backends
+from compile_ops._checks import check_dim, check_int, check_tensor
+from compile_ops._groups import group_rank, group_size
+from compile_ops.indexer.cache import INDEX_DIM, check_index_cache, encode_index_rows, quantize_e4m3
+from compile_ops.indexer.inputs import IndexerArgs
+from compile_ops.indexer.reference import indexer_topk_reference, topk_of_scores
+
+
+def _check_write(cache, slots, keys, index_format):
+    fmt = check_index_cache("cache", cache, index_format)
+    check_tensor("slots", slots, (torch.int32, torch.int64), 1, cache.device)
+    check_tensor("keys", keys, (torch.bfloat16, torch.float16, torch.float32), 2, cache.device)
+    if tuple(keys.shape) != (slots.shape[0], INDEX_DIM):
+        raise ValueError(f"keys must be [len(slots), {INDEX_DIM}] = [{slots.shape[0]}, {INDEX_DIM}], got {list(keys.shape)}")
+    return fmt
+
+
+@torch.library.custom_op("dsv41::write_index_keys", mutates_args=("cache",))
+def write_index_keys(cache: Tensor, slots: Tensor, keys: Tensor, index_format: str) -> None:
+    fmt = _check_write(cache, slots, keys, index_format)
+    if cache.shape[0] * cache.shape[1] == 0 or slots.shape[0] == 0:
+        return
+    store = backends.implementation("kv", "write_kv", cache.device)  # the KV caches' row store
+    store(cache, slots, encode_index_rows(keys, index_format), fmt)
+
+
+@write_index_keys.register_fake
+def _(cache, slots, keys, index_format):
+    _check_write(cache, slots, keys, index_format)
+
+
+def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format):
+    check_tensor("q", q, torch.bfloat16, 3)
+    if q.shape[2] != INDEX_DIM:
+        raise ValueError(f"q must be [T, Hi, {INDEX_DIM}], got shape {tuple(q.shape)}")
+    T, Hi = q.shape[:2]
+    device = q.device
+    check_tensor("weights", weights, torch.float32, 2, device)
+    if tuple(weights.shape) != (T, Hi):
+        raise ValueError(f"weights must be [T, Hi] = [{T}, {Hi}] (q.shape[:2]), got {list(weights.shape)}")
+    fmt = check_index_cache("index_cache", index_cache, index_format, device)
+    check_tensor("block_table", block_table, torch.int32, 2, device)
+    for name, t in (("token_to_req", token_to_req), ("n_entries", n_entries)):
+        check_tensor(name, t, torch.int32, 1, device)
+        check_dim(name, t, 0, T, "q.shape[0], the token count T")
+    check_int("k", k, 1)
+    return fmt
+
+
+def _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt) -> IndexerArgs:
+    """The call as backends take it: queries in the product dtype, invalid rows' counts 0."""
+    R, L = block_table.shape[0], block_table.shape[1] * index_cache.shape[1]
+    ok = (token_to_req >= 0) & (token_to_req < R) & (n_entries > 0)
+    rows = torch.where(ok, token_to_req, 0).long()
+    n = torch.where(ok, n_entries.clamp(max=L), 0).to(torch.int32)
+    if fmt.fp8:  # e4m3 products: q gets the keys' quantizer, its scale goes to the weights
+        q, q_scale = quantize_e4m3(q)
+        weights = weights * q_scale
+    return IndexerArgs(q.contiguous(), weights.contiguous(), index_cache, fmt, block_table, rows, n, int(k))
+
+
+def _topk(args: IndexerArgs) -> tuple[Tensor, Tensor]:
+    T, k = args.q.shape[0], args.k
+    if T == 0 or args.block_table.shape[0] * args.block_table.shape[1] * args.cache.shape[1] == 0:
+        return args.q.new_full((T, k), -1, dtype=torch.int32), args.q.new_full((T, k), float("-inf"), dtype=torch.float32)
+    return backends.implementation("indexer", "indexer_topk", args.q.device)(args)
+
+
+@torch.library.custom_op("dsv41::indexer_topk", mutates_args=())
+def indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
+                 n_entries: Tensor, k: int, index_format: str = "fp8") -> Tensor:
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
+    return _topk(_normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt))[0]
+
+
+@indexer_topk.register_fake
+def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format="fp8"):
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
+    return q.new_empty((q.shape[0], k), dtype=torch.int32)
+
+
+def local_entries(n: Tensor, rank: int, world: int, interleave: int) -> Tensor:
+    """How many of global entries ``0 .. n - 1`` rank ``rank`` of ``world`` holds, when runs of
+    ``interleave`` consecutive ids go to the ranks in turn (``dcp_topk_to_slots``'s rule)."""
+    span = world * interleave
+    return (n // span) * interleave + (n % span - rank * interleave).clamp(0, interleave)
+
+
+def global_ids(local: Tensor, rank: int, world: int, interleave: int) -> Tensor:
+    """Global ids of rank ``rank``'s local ids (``-1`` stays ``-1``); increasing in ``local``."""
+    glob = ((local // interleave) * world + rank) * interleave + local % interleave
+    return torch.where(local >= 0, glob, -1)
+
+
+def _check_dcp(group_name, interleave):
+    check_int("interleave", interleave, 1)
+    return group_size(group_name)
+
+
+@torch.library.custom_op("dsv41::dcp_indexer_topk", mutates_args=())
+def dcp_indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
+                     n_entries: Tensor, k: int, index_format: str, group_name: str, interleave: int) -> Tensor:
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
+    world = _check_dcp(group_name, interleave)
+    rank = group_rank(group_name)
+    local_n = local_entries(n_entries.clamp_min(0), rank, world, interleave)
+    args = _normalized(q, weights, index_cache, block_table, token_to_req, local_n, k, fmt)
+    ids, scores = _topk(args)
+    # every rank's candidates (global id, score bits) in one gather; then the same merge on each
+    mine = torch.stack([global_ids(ids, rank, world, interleave), scores.view(torch.int32)], -1)
+    c10d = torch.ops._c10d_functional
+    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(mine.contiguous(), world, group_name))
+    T = q.shape[0]
+    every = gathered.view(world, T, k, 2).permute(1, 0, 2, 3).reshape(T, world * k, 2)
+    return topk_of_scores(every[..., 1].contiguous().view(torch.float32), k, ids=every[..., 0])[0]
+
+
+@dcp_indexer_topk.register_fake
+def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, group_name, interleave):
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
+    _check_dcp(group_name, interleave)
+    return q.new_empty((q.shape[0], k), dtype=torch.int32)
+
+
+backends.register_backend("indexer", "triton", backends.cuda_with_triton,
+                          {"indexer_topk": backends.imported("compile_ops.indexer.triton", "indexer_topk_triton")})
+backends.register_backend("indexer", "reference", backends.any_device, {"indexer_topk": indexer_topk_reference})
+
+write_index_keys.__doc__ = """Quantize ``keys [N, 128]`` and write row ``i`` to slot ``slots[i]`` of an index-key cache.
+
+``slots`` is ``[N]`` int32/int64 (``-1`` or out-of-range rows are skipped without a host sync,
+their memory never written); ``index_format`` is ``"fp8"`` (e4m3 values and one fp32
+power-of-two scale per entry, DeepGEMM's paged layout) or ``"bf16"``
+(:mod:`compile_ops.indexer.cache`). Stored by the ``"kv"`` backend's row store.
+
+Example::
+
+    >>> import torch, compile_ops
+    >>> from compile_ops.indexer.cache import new_index_cache, read_index_keys
+    >>> cache = new_index_cache("fp8", num_pages=2, page_size=4)
+    >>> compile_ops.write_index_keys(cache, torch.tensor([5, -1]), torch.ones(2, 128), "fp8")
+    >>> read_index_keys(cache, torch.tensor([5]), "fp8").unique().tolist()
+    [1.0]
+"""
+
+indexer_topk.__doc__ = """The ``k`` compressed entries each token's indexer scores highest.
+
+``score[t, c] = sum_h weights[t, h] * relu(<q[t, h], key_c>)`` over the entries
+``c < n_entries[t]`` of request ``r = token_to_req[t]`` (entry ``c`` at slot
+``block_table[r, c // page_size] * page_size + c % page_size``). ``ids[t]`` holds the ``k``
+highest in descending score, equal scores by the lower id, then ``-1`` after the first
+``min(k, valid entries)``. Entries whose table entry is ``-1`` or outside the cache are
+skipped (never read); ``n_entries`` above ``L = B * page_size`` counts as ``L``. Rows with
+``r`` outside ``[0, R)`` or ``n_entries[t] <= 0`` are all ``-1``.
+
+Products: with an ``"fp8"`` cache, q is quantized like the keys (per (token, head) row,
+power-of-two scale folded into the weights) and multiplied in e4m3 with fp32 accumulation;
+with ``"bf16"``, in bf16. Near-ties closer than that rounding may come out in either order.
+
+Args:
+    q: ``[T, Hi, 128]`` bf16 indexer queries.
+    weights: ``[T, Hi]`` fp32 per-head weights.
+    index_cache: ``[pages, page_size, 132]`` uint8 (``"fp8"``) or ``[pages, page_size, 128]``
+        bf16 (:mod:`compile_ops.indexer.cache`).
+    block_table: ``[R, B]`` int32 pages of each request row (``-1`` = none).
+    token_to_req: ``[T]`` int32 request row of each token.
+    n_entries: ``[T]`` int32 entries token ``t`` may see (its own causal count).
+    k: ids per token (``>= 1``).
+    index_format: ``"fp8"`` or ``"bf16"``.
+
+Returns:
+    ``ids [T, k]`` int32 request-local entry ids.
+
+Example::
+
+    >>> import torch, compile_ops
+    >>> from compile_ops.indexer.cache import new_index_cache
+    >>> cache = new_index_cache("bf16", num_pages=1, page_size=4)
+    >>> keys = torch.zeros(4, 128); keys[:, 0] = torch.tensor([1.0, 3.0, 2.0, 3.0])
+    >>> compile_ops.write_index_keys(cache, torch.arange(4), keys, "bf16")
+    >>> q = torch.zeros(1, 1, 128, dtype=torch.bfloat16); q[..., 0] = 1
+    >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+    >>> compile_ops.indexer_topk(q, torch.ones(1, 1), cache, i32(0).view(1, 1), i32(0), i32(4), 3, "bf16").tolist()
+    [[1, 3, 2]]
+"""
+
+dcp_indexer_topk.__doc__ = """:func:`indexer_topk` over a DCP group whose entries are sharded by ``interleave``.
+
+Global entry ``c`` lives on rank ``(c // interleave) % world`` as local entry
+``(c // (world * interleave)) * interleave + c % interleave`` (the rule of
+:func:`dcp_topk_to_slots`); ``index_cache`` and ``block_table`` are this rank's shard,
+``n_entries`` the global counts. Each rank scores its own entries and takes its top-``k``;
+the candidates (global id, score) are all-gathered over the group (c10d functional
+collectives) and merged with the same order and tie rule, so every rank returns the same
+global ids, equal to :func:`indexer_topk` over the unsharded cache. A collective: every rank
+calls it with the same shapes, ``k`` and ``interleave``.
+
+Args:
+    q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format: as
+        :func:`indexer_topk`, with this rank's cache and table and global ``n_entries``.
+    group_name: the c10d group's name (``group.group_name``).
+    interleave: consecutive ids per rank before the next (``>= 1``).
+
+Returns:
+    ``ids [T, k]`` int32 global entry ids, the same on every rank.
+"""

@@ -1,0 +1,66 @@
+"""Plain-torch indexer: the meaning of ``indexer_topk`` (CPU and CUDA, no host syncs).
+
+Scores are fp32 (products of the dequantized values, accumulated in fp32); the top-k is a
+stable descending sort, so equal scores keep ascending id order. Tokens and entries are
+processed in chunks whose sizes come from shapes only, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from compile_ops.indexer.cache import read_index_keys
+from compile_ops.indexer.inputs import IndexerArgs
+
+SCORE_CHUNK = 1 << 22  # scores of one token chunk, elements (16 MiB of fp32)
+KEY_CHUNK = 1 << 20  # dequantized keys gathered at once, elements (4 MiB of fp32)
+
+
+def scores_reference(args: IndexerArgs, lo: int, hi: int) -> Tensor:
+    """fp32 scores ``[hi - lo, L]`` of tokens ``lo:hi``; ``-inf`` at ``c >= n`` and at holes."""
+    q, weights, cache, fmt, block_table, rows, n, _ = args
+    page_size, num_slots = cache.shape[1], cache.shape[0] * cache.shape[1]
+    L = block_table.shape[1] * page_size
+    qf, w, row, count = q[lo:hi].float(), weights[lo:hi], rows[lo:hi], n[lo:hi]
+    out = torch.empty(hi - lo, L, dtype=torch.float32, device=q.device)
+    step = max(1, KEY_CHUNK // max(1, (hi - lo) * q.shape[2]))
+    for c0 in range(0, L, step):
+        ids = torch.arange(c0, min(L, c0 + step), device=q.device)
+        pages = block_table[row][:, ids // page_size].long()  # [T, E]
+        slots = pages * page_size + ids % page_size
+        valid = (ids < count.unsqueeze(1)) & (pages >= 0) & (slots < num_slots)
+        keys = read_index_keys(cache, torch.where(valid, slots, -1), fmt.name)  # [T, E, 128]
+        dots = torch.einsum("thd,ted->the", qf, keys)
+        score = (dots.clamp_min(0) * w.unsqueeze(-1)).sum(1)
+        out[:, c0 : c0 + ids.shape[0]] = torch.where(valid, score, float("-inf"))
+    return out
+
+
+def topk_of_scores(scores: Tensor, k: int, ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The ``k`` highest of ``scores [T, N]`` (``-inf`` = none), descending, ties by the lower
+    id (``ids [T, N]`` int32, or the column when ``None``): ``(ids [T, k] int32, scores [T, k])``,
+    ``-1`` / ``-inf`` past the valid ones."""
+    T, N = scores.shape
+    if ids is not None:  # order by id first: the stable sort below then breaks ties by it
+        ids, order = torch.sort(ids, dim=1, stable=True)
+        scores = scores.gather(1, order)
+    values, order = torch.sort(scores, dim=1, descending=True, stable=True)
+    picked = order if ids is None else ids.gather(1, order)
+    if N < k:
+        values = torch.cat([values, values.new_full((T, k - N), float("-inf"))], 1)
+        picked = torch.cat([picked, picked.new_full((T, k - N), -1)], 1)
+    values, picked = values[:, :k], picked[:, :k]
+    return torch.where(values > float("-inf"), picked, -1).to(torch.int32), values
+
+
+def indexer_topk_reference(args: IndexerArgs) -> tuple[Tensor, Tensor]:
+    """``(ids [T, k] int32, scores [T, k] fp32)`` of :class:`IndexerArgs`."""
+    T = args.q.shape[0]
+    L = args.block_table.shape[1] * args.cache.shape[1]
+    chunk = max(1, SCORE_CHUNK // max(1, L))
+    parts = [topk_of_scores(scores_reference(args, lo, min(T, lo + chunk)), args.k) for lo in range(0, T, chunk)]
+    if not parts:
+        empty = args.q.new_empty((0, args.k))
+        return empty.to(torch.int32), empty.float()
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

@@ -1,0 +1,183 @@
+"""Triton indexer: scores on the tensor cores, then an exact radix-select top-k per token.
+
+Two kernels, both length-bounded (a token's programs stop at its ``n`` entries; nothing
+reads or scores past it, whatever the cache's capacity):
+
+* ``_scores_kernel``, grid ``(T, S)``: program ``(t, s)`` takes blocks ``s, s + S, ...`` of
+  ``BN`` entries of token ``t``, gathers their keys through the block table (e4m3 bytes and
+  the fp32 scale of an ``fp8`` cache, or bf16), ``tl.dot``\\ s them with the token's
+  ``[Hi, 128]`` queries (e4m3 x e4m3 or bf16 x bf16, fp32 accumulation) and stores
+  ``scale * sum_h w[h] * relu(dot)`` (``-inf`` at holes) into a scores buffer.
+* ``_topk_kernel``, one program per token: the scores become order-preserving 32-bit keys;
+  four 8-bit radix passes (``tl.histogram`` of the next digit among the entries that share
+  the prefix so far) find the ``k``-th largest key exactly and how many entries equal to it
+  to keep; a last pass gathers, in id order, every entry above it and the lowest-id ones
+  equal to it (so equal scores go to the lower id), and ``tl.sort`` orders the ``k``
+  candidates by (score descending, id ascending).
+
+Tokens go in chunks whose scores buffer stays under ``SCORES_BYTES``. Runs on CUDA tensors,
+or on CPU tensors under ``TRITON_INTERPRET=1`` (loops then run to a compile-time bound).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from compile_ops._launch import launchable
+from compile_ops.indexer.cache import INDEX_DIM
+from compile_ops.indexer.inputs import IndexerArgs
+from compile_ops.mla.plan import num_sms
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+BN = 64  # entries per scores block
+TOPK_BLOCK = 1024  # scores per step of the top-k passes
+SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _scores_kernel(
+    q, w, cache, table, rows, n, scores,
+    s_qt, s_qh, s_wt, s_page, s_bt, s_st, num_slots, page_size, Hi, S,
+    HI: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, ITERS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    i_t, i_s = tl.program_id(0), tl.program_id(1)
+    n_t = tl.load(n + i_t)
+    row = tl.load(rows + i_t)
+    nb = tl.cdiv(n_t, BN)
+    o_h = tl.arange(0, HI)
+    o_d = tl.arange(0, 128)
+    m_h = o_h < Hi
+    b_q = tl.load(q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], mask=m_h[:, None], other=0.0)
+    b_w = tl.load(w + i_t * s_wt + o_h, mask=m_h, other=0.0)
+    o_n = tl.arange(0, BN)
+    for i in range(0, ITERS if ITERS > 0 else tl.cdiv(tl.maximum(nb - i_s, 0), S)):
+        c = (i_s + i * S) * BN + o_n
+        m_c = c < n_t
+        page = tl.load(table + row * s_bt + c // page_size, mask=m_c, other=-1).to(tl.int64)
+        off = c % page_size
+        m_c = m_c & (page >= 0) & (page * page_size + off < num_slots)
+        page = tl.where(m_c, page, 0)
+        base = cache + page * s_page
+        if FP8:
+            b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0)
+            b_k = b_k.to(tl.float8e4nv, bitcast=True)
+            p_scale = (base + page_size * 128 + off * 4).to(tl.pointer_type(tl.float32))
+            b_scale = tl.load(p_scale, mask=m_c, other=0.0)
+        else:
+            b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0.0)
+            b_scale = tl.full([BN], 1.0, tl.float32)
+        if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
+            b_dot = tl.dot(b_k.to(tl.float32), tl.trans(b_q.to(tl.float32)))
+        else:
+            b_dot = tl.dot(b_k, tl.trans(b_q))  # [BN, HI] fp32
+        b_s = tl.sum(tl.maximum(b_dot, 0.0) * b_w[None, :], 1) * b_scale + 0.0  # + 0.0: no -0.0
+        tl.store(scores + i_t * s_st + c, tl.where(m_c, b_s, float("-inf")), mask=c < n_t)
+
+
+@triton.jit
+def _sortable(x):
+    """fp32 -> int32 keys in the same order (negative floats' magnitude bits flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 2147483647, bits)
+
+
+@triton.jit
+def _topk_kernel(
+    scores, n, ids, vals, s_st, s_it, K,
+    K_PAD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    n_t = tl.load(n + i_t)
+    chunks = ITERS if ITERS > 0 else tl.cdiv(n_t, BLOCK)
+    o_b = tl.arange(0, BLOCK)
+    o_d = tl.arange(0, 256)
+    row = scores + i_t * s_st
+    need = K  # entries still to find at or below the prefix
+    prefix = tl.zeros([], tl.int32)  # digits so far of the k-th largest key, sign bit flipped
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        high_bits: tl.constexpr = (1 << (8 * p)) - 1
+        hist = tl.zeros([256], tl.int32)
+        for i in range(0, chunks):
+            c = i * BLOCK + o_b
+            x = tl.load(row + c, mask=c < n_t, other=float("-inf"))
+            key = _sortable(x) ^ -2147483648  # unsigned order as bits; masks undo sign extension
+            m = (c < n_t) & (x > float("-inf"))
+            if p > 0:
+                m = m & (((key >> (shift + 8)) & high_bits) == prefix)
+            hist += tl.histogram((key >> shift) & 255, 256, mask=m)
+        if p == 0:
+            need = tl.minimum(need, tl.sum(hist))  # valid entries: at most that many ids
+        at_or_above = tl.cumsum(hist, 0, reverse=True)
+        digit = tl.max(tl.where(at_or_above >= need, o_d, 0))
+        need -= tl.sum(tl.where(o_d == digit, at_or_above - hist, 0))
+        prefix = (prefix << 8) | digit
+    # the k-th largest key; keep everything above it and `need` ties, lowest ids first
+    prefix = prefix ^ -2147483648
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for i in range(0, chunks):
+        c = i * BLOCK + o_b
+        x = tl.load(row + c, mask=c < n_t, other=float("-inf"))
+        key = _sortable(x)
+        ok = (c < n_t) & (x > float("-inf"))
+        eq = ok & (key == prefix)
+        eq_i = eq.to(tl.int32)
+        keep = (ok & (key > prefix)) | (eq & (ties + tl.cumsum(eq_i, 0) - eq_i < need))
+        keep_i = keep.to(tl.int32)
+        at = taken + tl.cumsum(keep_i, 0) - keep_i
+        tl.store(ids + i_t * s_it + at, c, mask=keep)
+        tl.store(vals + i_t * s_it + at, x, mask=keep)
+        taken += tl.sum(keep_i)
+        ties += tl.sum(eq_i)
+    tl.debug_barrier()
+    o_k = tl.arange(0, K_PAD)
+    m_k = o_k < taken
+    b_id = tl.load(ids + i_t * s_it + o_k, mask=m_k, other=0)
+    b_x = tl.load(vals + i_t * s_it + o_k, mask=m_k, other=0.0)
+    # (key, id) in one int64: descending order is score descending, then id ascending
+    packed = tl.where(m_k, (_sortable(b_x).to(tl.int64) << 32) | (4294967295 - b_id.to(tl.int64)), -9223372036854775808)
+    packed = tl.sort(packed, 0, descending=True)
+    b_id = (4294967295 - (packed & 4294967295)).to(tl.int32)
+    high = (packed >> 32).to(tl.int32)
+    bits = tl.where(high < 0, high ^ 2147483647, high).to(tl.float32, bitcast=True)
+    tl.debug_barrier()
+    m_out = o_k < K
+    tl.store(ids + i_t * s_it + o_k, tl.where(m_k, b_id, -1), mask=m_out)
+    tl.store(vals + i_t * s_it + o_k, tl.where(m_k, bits, float("-inf")), mask=m_out)
+
+
+def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [T, k] int32, scores [T, k] fp32)`` of a validated call (see
+    :class:`compile_ops.indexer.inputs.IndexerArgs`); only shapes steer the launches."""
+    q, w, cache, fmt, table, rows, n, k = args
+    T, Hi = q.shape[:2]
+    page_size = cache.shape[1]
+    L = table.shape[1] * page_size
+    ids = torch.empty((T, k), dtype=torch.int32, device=q.device)
+    vals = torch.empty((T, k), dtype=torch.float32, device=q.device)
+    HI = max(16, triton.next_power_of_2(Hi))
+    chunk = max(1, min(T, SCORES_BYTES // (4 * L)))
+    sms = num_sms(q.device)
+    blocks = triton.cdiv(L, BN)
+    for lo in range(0, T, chunk):
+        hi = min(T, lo + chunk)
+        scores = torch.empty((hi - lo, L), dtype=torch.float32, device=q.device)
+        S = max(1, min(blocks, PROGRAMS_PER_SM * sms // (hi - lo)))
+        launchable(_scores_kernel, q)[(hi - lo, S)](
+            q[lo:hi], w[lo:hi], cache, table, rows[lo:hi], n[lo:hi], scores,
+            q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
+            cache.shape[0] * page_size, page_size, Hi, S,
+            HI=HI, FP8=fmt.fp8, BN=BN, ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET,
+        )
+        launchable(_topk_kernel, q)[(hi - lo,)](
+            scores, n[lo:hi], ids[lo:hi], vals[lo:hi], scores.stride(0), ids.stride(0), k,
+            K_PAD=triton.next_power_of_2(k), BLOCK=TOPK_BLOCK, ITERS=triton.cdiv(L, TOPK_BLOCK) if INTERPRET else 0,
+            num_warps=8,
+        )
+    return ids, vals
