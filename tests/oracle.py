@@ -177,3 +177,72 @@ def lse_combine(partial_out, partial_lse):
             lse[t, h] = top + math.log2(total)
             out[t, h] = sum(2.0 ** (x - lse[t, h]) * v for x, v in terms)
     return out, lse
+
+
+def _round_e4m3(x: np.ndarray) -> np.ndarray:
+    """Round float64 values (already within +-448) to the nearest e4m3 value, ties to the
+    even mantissa, by searching the sorted table of finite e4m3 values."""
+    finite = np.unique(E4M3[np.isfinite(E4M3)])
+    codes = {float(v): b for b, v in enumerate(E4M3) if np.isfinite(v) and not (v == 0 and b)}
+    hi = np.clip(np.searchsorted(finite, x), 1, len(finite) - 1)
+    lo_v, hi_v = finite[hi - 1], finite[hi]
+    pick_hi = (x - lo_v > hi_v - x) | ((x - lo_v == hi_v - x) & np.array([codes[float(v)] % 2 == 0 for v in hi_v.ravel()]).reshape(hi_v.shape))
+    return np.where(pick_hi, hi_v, lo_v)
+
+
+def _pow2_scale(amax: float) -> float:
+    """The power-of-two scale ``2**ceil(log2(max(amax, 1e-4) / 448))``, by exact comparison."""
+    target = max(amax, 1e-4) / 448.0
+    e = math.frexp(target)[1]  # target in [2**(e-1), 2**e)
+    return 2.0 ** (e - 1) if target == 2.0 ** (e - 1) else 2.0**e
+
+
+def index_key_decoder(cache: torch.Tensor, index_format: str):
+    """A function ``slot -> float64 [128]`` decoding index keys from the cache's raw bytes:
+    ``fp8`` pages hold ``page_size`` rows of 128 e4m3 bytes, then ``page_size`` fp32 scales."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage()).numpy().copy()
+    esize = cache.element_size()
+    base, page_stride, page_size = cache.storage_offset() * esize, cache.stride(0) * esize, cache.shape[1]
+
+    def decode(slot: int) -> np.ndarray:
+        page, offset = divmod(slot, page_size)
+        start = base + page * page_stride
+        if index_format == "bf16":
+            return _bf16(raw[start + offset * 256 : start + (offset + 1) * 256])
+        values = E4M3[raw[start + offset * 128 : start + (offset + 1) * 128]]
+        at = start + page_size * 128 + offset * 4
+        return values * float(raw[at : at + 4].view(np.float32)[0])
+
+    return decode
+
+
+def indexer_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format):
+    """``indexer_topk`` (docs/ops.md) in float64, entry by entry: ids ``[T, k]`` (lists) and
+    the float64 scores of the chosen ids."""
+    decode = index_key_decoder(index_cache, index_format)
+    qd, w = q.double().numpy(), weights.double().numpy()
+    R, B = block_table.shape
+    page_size = index_cache.shape[1]
+    num_slots = index_cache.shape[0] * page_size
+    ids_out, scores_out = [], []
+    for t in range(q.shape[0]):
+        r, n = int(token_to_req[t]), int(n_entries[t])
+        row_q, row_w = qd[t], w[t]
+        if index_format == "fp8":  # q quantized per head row like the keys
+            scales = np.array([_pow2_scale(float(np.abs(h).max())) for h in row_q])
+            row_q = _round_e4m3(np.clip(row_q / scales[:, None], -448, 448))
+            row_w = row_w * scales
+        found = []
+        if 0 <= r < R and n > 0:
+            for c in range(min(n, B * page_size)):
+                page = int(block_table[r, c // page_size])
+                slot = page * page_size + c % page_size
+                if page < 0 or slot >= num_slots:
+                    continue
+                key = decode(slot)
+                found.append((float(np.sum(row_w * np.maximum(row_q @ key, 0.0))), c))
+        found.sort(key=lambda sc: (-sc[0], sc[1]))
+        chosen = found[:k]
+        ids_out.append([c for _, c in chosen] + [-1] * (k - len(chosen)))
+        scores_out.append([s for s, _ in chosen])
+    return ids_out, scores_out

@@ -1,0 +1,188 @@
+"""The indexer ops (``compile_ops.indexer``): reference vs a float64 oracle, the Triton
+kernels (interpreter on CPU) vs the reference, the contract's edges, graph-safety.
+
+Integer-valued queries, keys and weights make every score exact in fp32 and float64, so
+ids must match exactly, ties included (they are frequent). Random-float data checks the
+fp8 products against the oracle's scores within the e4m3 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import compile_ops
+import oracle
+from compile_ops.indexer.cache import INDEX_FORMATS, new_index_cache, read_index_keys
+from compile_ops.indexer import ops
+from compile_ops.indexer.reference import indexer_topk_reference
+from helpers import examples
+
+i32 = torch.int32
+FORMATS = sorted(INDEX_FORMATS)
+
+
+def make_problem(index_format, T, Hi, R, B, page_size, *, seed, integer=True, holes=0, spare_pages=2):
+    """Keys written at every slot of a cache, a shuffled block table with ``holes`` -1s, and
+    per-token request rows and counts (some rows invalid, some counts past the table)."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = R * B + spare_pages
+    cache = new_index_cache(index_format, pages, page_size)
+    n_slots = pages * page_size
+
+    def values(*shape, bound):
+        if integer:
+            return torch.randint(-bound, bound + 1, shape, generator=gen).float()
+        return torch.randn(*shape, generator=gen) * torch.rand(shape[0], *[1] * (len(shape) - 1), generator=gen).add(0.1)
+
+    keys = values(n_slots, 128, bound=3)
+    compile_ops.write_index_keys(cache, torch.arange(n_slots), keys, index_format)
+    table = torch.randperm(pages, generator=gen)[: R * B].view(R, B).to(i32)
+    flat = table.view(-1)
+    flat[torch.randperm(flat.numel(), generator=gen)[:holes]] = -1
+    q = values(T, Hi, 128, bound=2).view(T, Hi, 128).bfloat16()
+    weights = values(T, Hi, bound=2)
+    rows = torch.randint(-1, R + 1, (T,), generator=gen, dtype=i32)
+    n = torch.randint(-1, B * page_size + 3, (T,), generator=gen, dtype=i32)
+    return q, weights, cache, table, rows, n
+
+
+def run_reference(q, weights, cache, table, rows, n, k, index_format):
+    with compile_ops.use_backends(indexer="reference"):
+        return compile_ops.indexer_topk(q, weights, cache, table, rows, n, k, index_format)
+
+
+@pytest.mark.parametrize("index_format", FORMATS)
+@settings(deadline=None, max_examples=examples(0.5))
+@given(T=st.integers(1, 4), Hi=st.sampled_from([1, 3, 8]), k=st.integers(1, 40), page_size=st.sampled_from([1, 4, 16]),
+       B=st.integers(1, 4), holes=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_reference_equals_float64_oracle_exactly(index_format, T, Hi, k, page_size, B, holes, seed):
+    """Exact scores: the same ids in the same order, ties by the lower id, -1 padding,
+    invalid rows and holes skipped, counts past the table clamped."""
+    args = make_problem(index_format, T, Hi, 3, B, page_size, seed=seed, holes=holes)
+    got = run_reference(*args, k, index_format)
+    want, _ = oracle.indexer_topk(*args, k, index_format)
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("index_format", FORMATS)
+def test_reference_float_data_within_rounding(index_format):
+    """Random floats: the chosen ids' oracle scores are the oracle's top scores, up to the
+    products' rounding (fp32 sums; e4m3 q for an fp8 cache is part of the contract)."""
+    args = make_problem(index_format, 6, 8, 3, 8, 16, seed=3, integer=False, holes=2)
+    got = run_reference(*args, 64, index_format)
+    every, every_scores = oracle.indexer_topk(*args, 10**4, index_format)  # every valid entry, ranked
+    for t in range(6):
+        score_of = dict(zip(every[t], every_scores[t]))
+        chosen = [c for c in got[t].tolist() if c >= 0]
+        assert len(chosen) == min(64, len(every_scores[t]))
+        tol = 1e-5 * max([1.0] + [abs(x) for x in every_scores[t]])
+        for j, c in enumerate(chosen):
+            assert abs(score_of[c] - every_scores[t][j]) <= tol, (t, j)
+
+
+@pytest.mark.parametrize("index_format", FORMATS)
+@pytest.mark.parametrize("case", [(5, 8, 3, 6, 16, 20, 1), (3, 32, 2, 40, 64, 100, 3), (2, 3, 1, 3, 4, 16, 0)],
+                         ids=["small", "Hi32-k100", "k-past-capacity"])
+def test_interpreter_equals_reference(index_format, case):
+    """The Triton kernels (interpreted) pick exactly the reference's ids on exact data."""
+    pytest.importorskip("triton")
+    T, Hi, R, B, page_size, k, holes = case
+    args = make_problem(index_format, T, Hi, R, B, page_size, seed=T + Hi, holes=holes)
+    want = run_reference(*args, k, index_format)
+    with compile_ops.use_backends(indexer="triton"):
+        fmt = ops._check_topk(*args, k, index_format)
+        from compile_ops.indexer.triton import indexer_topk_triton
+
+        got, _ = indexer_topk_triton(ops._normalized(*args, k, fmt))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("index_format", FORMATS)
+def test_write_index_keys_round_trip(index_format):
+    """Written keys read back within the stated bound (fp8: ``2**-4 |x| + 2**-10 s``; bf16:
+    bf16 rounding); ``-1`` and out-of-range slots write nothing."""
+    cache = new_index_cache(index_format, 3, 4)
+    keys = torch.randn(5, 128) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 7.0]).unsqueeze(1)
+    slots = torch.tensor([0, 5, -1, 11, 12])
+    compile_ops.write_index_keys(cache, slots, keys, index_format)
+    back = read_index_keys(cache, torch.tensor([0, 5, 11]), index_format)
+    kept = keys[[0, 1, 3]]
+    if index_format == "fp8":
+        scale = 2.0 ** torch.ceil(torch.log2(kept.abs().amax(1, keepdim=True).clamp_min(1e-4) / 448))
+        bound = 2**-4 * kept.abs() + 2**-10 * scale
+    else:
+        bound = 2**-8 * kept.abs()
+    assert ((back - kept).abs() <= bound).all()
+    untouched = [s for s in range(12) if s not in (0, 5, 11)]
+    assert (read_index_keys(cache, torch.tensor(untouched), index_format) == 0).all()
+
+
+BAD = {
+    "q dtype": (lambda a: a.update(q=a["q"].float()), TypeError, "q must have dtype torch.bfloat16"),
+    "q width": (lambda a: a.update(q=a["q"][..., :64]), ValueError, r"q must be \[T, Hi, 128\]"),
+    "weights shape": (lambda a: a.update(weights=a["weights"][:, :2]), ValueError, "weights must be"),
+    "weights dtype": (lambda a: a.update(weights=a["weights"].double()), TypeError, "weights must have dtype"),
+    "cache width": (lambda a: a.update(index_cache=a["index_cache"][..., :128]), ValueError, "index_cache must be"),
+    "format": (lambda a: a.update(index_format="fp4"), ValueError, "index_format must be one of"),
+    "table dtype": (lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table must have dtype"),
+    "rows length": (lambda a: a.update(token_to_req=a["token_to_req"][:1]), ValueError, r"token_to_req.shape\[0\]"),
+    "n dtype": (lambda a: a.update(n_entries=a["n_entries"].long()), TypeError, "n_entries must have dtype"),
+    "k": (lambda a: a.update(k=0), ValueError, "k must be"),
+}
+
+
+@pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
+def test_bad_input_names_the_argument(case):
+    edit, error, match = case
+    q, weights, cache, table, rows, n = make_problem("fp8", 3, 4, 2, 2, 4, seed=0)
+    a = dict(q=q, weights=weights, index_cache=cache, block_table=table, token_to_req=rows, n_entries=n, k=4,
+             index_format="fp8")
+    edit(a)
+    with pytest.raises(error, match=match):
+        compile_ops.indexer_topk(**a)
+
+
+@pytest.mark.parametrize("index_format", FORMATS)
+def test_opcheck(index_format):
+    args = make_problem(index_format, 3, 4, 2, 2, 4, seed=1, holes=1)
+    result = torch.library.opcheck(torch.ops.dsv41.indexer_topk.default, (*args, 5, index_format))
+    assert all(v == "SUCCESS" for v in result.values()), result
+    cache = args[2]
+    keys = torch.randn(3, 128)
+    result = torch.library.opcheck(torch.ops.dsv41.write_index_keys.default, (cache, torch.tensor([1, -1, 3]), keys, index_format))
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_compiled_equals_eager_without_breaks():
+    """``torch.compile(fullgraph=True)`` of a step that writes keys and picks ids: one graph,
+    no break, the eager ids."""
+    q, weights, cache, table, rows, n = make_problem("fp8", 4, 8, 2, 3, 16, seed=5)
+    keys = torch.randn(4, 128)
+
+    def step(cache, q, weights, n):
+        compile_ops.write_index_keys(cache, torch.arange(4), keys, "fp8")
+        return compile_ops.indexer_topk(q, weights, cache, table, rows, n, 12, "fp8")
+
+    eager_cache = cache.clone()
+    want = step(eager_cache, q, weights, n)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = torch.compile(step, fullgraph=True, dynamic=True)(cache, q, weights, n)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert torch.equal(got, want) and torch.equal(cache, eager_cache)
+
+
+def test_local_entries_and_global_ids_follow_the_interleave_rule():
+    """The DCP sharding helpers agree with ``dcp_topk_to_slots``'s rule, id by id."""
+    for world in (1, 2, 4):
+        for interleave in (1, 4):
+            n = torch.arange(0, 70, dtype=i32)
+            for rank in range(world):
+                owned = [c for c in range(70) if (c // interleave) % world == rank]
+                counts = ops.local_entries(n, rank, world, interleave).tolist()
+                assert counts == [sum(1 for c in owned if c < m) for m in range(70)]
+                ids = ops.global_ids(torch.arange(len(owned), dtype=i32), rank, world, interleave)
+                assert ids.tolist() == owned

@@ -1,0 +1,60 @@
+"""``dcp_indexer_topk`` over 2 and 4 gloo processes equals ``indexer_topk`` at DCP=1, id for
+id: each rank holds its interleaved share of the index keys in its own pages."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import compile_ops
+from compile_ops.indexer.cache import new_index_cache, read_index_keys
+from test_indexer import make_problem
+
+pytestmark = pytest.mark.distributed
+
+i32 = torch.int32
+T, HI, R, B, PAGE, K = 6, 8, 3, 6, 4, 10
+
+
+def shard(cache, table, index_format, rank, world, interleave):
+    """This rank's cache and table: its local entries of every request, in pages of its own."""
+    local_cache = new_index_cache(index_format, R * B, PAGE)
+    local_table = torch.arange(R * B, dtype=i32).view(R, B).flip(0).contiguous()
+    for r in range(R):
+        for c in range(B * PAGE):
+            page = int(table[r, c // PAGE])
+            if (c // interleave) % world != rank or page < 0:
+                continue
+            local = (c // (world * interleave)) * interleave + c % interleave
+            dst = int(local_table[r, local // PAGE]) * PAGE + local % PAGE
+            key = read_index_keys(cache, torch.tensor([page * PAGE + c % PAGE]), index_format)
+            compile_ops.write_index_keys(local_cache, torch.tensor([dst]), key, index_format)
+    return local_cache, local_table
+
+
+def worker(rank, world, store_path, index_format, interleave):
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        # integer data: many exact ties, which the merge must order by id; no holes (a hole is a
+        # page of the DCP=1 table, which no page of a shard matches)
+        for seed in range(3):
+            q, weights, cache, table, rows, n = make_problem(index_format, T, HI, R, B, PAGE, seed=seed)
+            n = n.clamp(max=B * PAGE)  # counts within the DCP=1 cache (past it, the shards hold more)
+            want = compile_ops.indexer_topk(q, weights, cache, table, rows, n, K, index_format)
+            local_cache, local_table = shard(cache, table, index_format, rank, world, interleave)
+            got = compile_ops.dcp_indexer_topk(q, weights, local_cache, local_table, rows, n, K, index_format,
+                                               dist.group.WORLD.group_name, interleave)
+            assert torch.equal(got, want), f"rank {rank} seed {seed}:\n{got}\n{want}"
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    os._exit(0)  # as in test_dcp_gloo.py: skip finalization, where gloo's threads can abort
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("interleave", [1, 4], ids=["I=1", "I=4"])
+@pytest.mark.parametrize("index_format", ["bf16", "fp8"])
+def test_dcp_indexer_equals_single_rank(tmp_path, index_format, interleave, world):
+    mp.spawn(worker, args=(world, str(tmp_path / "store"), index_format, interleave), nprocs=world)
