@@ -1,4 +1,4 @@
-"""``python -m compile_ops.bench {sparse-mla,slots,dcp} [options]``: run one benchmark.
+"""``python -m compile_ops.bench {sparse-mla,slots,dcp,indexer} [options]``: run one benchmark.
 
 Each benchmark is a module ``compile_ops.bench.<name with _>`` exposing ``main(argv)``;
 ``python -m compile_ops.bench NAME --help`` lists its options.
@@ -12,12 +12,13 @@ BENCHMARKS = {
     "sparse-mla": ("compile_ops.bench.sparse_mla", "sparse_mla against FlashMLA and plain torch (GPU)"),
     "slots": ("compile_ops.bench.slots", "slot conversion kernels against their reference (GPU)"),
     "dcp": ("compile_ops.bench.dcp", "dcp_combine over NCCL, ag_rs against a2a (several GPUs)"),
+    "indexer": ("compile_ops.bench.indexer", "indexer_topk against plain torch and the key-read floor (GPU)"),
 }
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m compile_ops.bench", usage="%(prog)s {sparse-mla,slots,dcp} [options]",
+        prog="python -m compile_ops.bench", usage="%(prog)s {sparse-mla,slots,dcp,indexer} [options]",
         description="Run one benchmark; `python -m compile_ops.bench NAME --help` lists its options.",
         epilog="benchmarks: " + "; ".join(f"{name}: {what}" for name, (_, what) in BENCHMARKS.items()),
     )

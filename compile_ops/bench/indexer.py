@@ -1,0 +1,145 @@
+"""``python -m compile_ops.bench indexer``: ``indexer_topk`` against plain torch and its floor.
+
+Decode cases (``T`` tokens, one request each, ``n`` entries per request, fp8 index cache,
+64 heads, top-2048): the op's time by CUDA-graph replay, the index-key bytes it must read
+(``T * n * 132``) as GB/s and as a share of the H200's 4.3 TB/s, next to the same call of
+``torch.compile``'d plain torch (gather, dequantize, ``einsum``, ``torch.topk``; only where
+its ``[T, n, 128]`` keys fit in 2 GiB) and to ``torch.topk`` alone on the op's own scores,
+against the op's top-k kernel alone on them. Then the capacity check: 64 requests of 1K
+entries in caches whose block tables address 1K and 256K entries.
+
+    python -m compile_ops.bench indexer --csv bench_indexer.csv --plot bench_indexer.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+
+import torch
+
+from compile_ops.bench.slots import graph_time_us
+
+HBM_BYTES_PER_S = 4.3e12  # H200
+ENTRY_BYTES = 132
+PAGE = 64
+HEADS = 64
+K = 2048
+DENSE_LIMIT = 1 << 29  # elements of the compiled reference's dequantized keys (2 GiB fp32)
+
+
+def problem(T: int, n: int, capacity: int, device):
+    """``T`` tokens of ``T`` requests with ``n`` entries each, in a table addressing
+    ``capacity`` entries per request (pages past ``n`` are ``-1``)."""
+    import compile_ops
+    from compile_ops.indexer.cache import new_index_cache
+
+    gen = torch.Generator(device=device).manual_seed(T + n)
+    used = -(-n // PAGE)
+    cache = new_index_cache("fp8", T * used, PAGE, device=device)
+    compile_ops.write_index_keys(cache, torch.arange(T * used * PAGE, device=device),
+                                 torch.randn(T * used * PAGE, 128, device=device, generator=gen), "fp8")
+    table = torch.full((T, capacity // PAGE), -1, dtype=torch.int32, device=device)
+    table[:, :used] = torch.randperm(T * used, device=device, generator=gen).to(torch.int32).view(T, used)
+    q = torch.randn(T, HEADS, 128, device=device, generator=gen).bfloat16()
+    weights = torch.randn(T, HEADS, device=device, generator=gen)
+    rows = torch.arange(T, dtype=torch.int32, device=device)
+    counts = torch.full((T,), n, dtype=torch.int32, device=device)
+    return q, weights, cache, table, rows, counts
+
+
+def dense_reference(q, weights, cache, table, rows, counts):
+    """Plain torch over every addressed entry: gather, dequantize, score, ``torch.topk``."""
+    from compile_ops.indexer.cache import quantize_e4m3, read_index_keys
+
+    L = table.shape[1] * PAGE
+    ids = torch.arange(L, device=q.device)
+    slots = table[rows.long()][:, ids // PAGE].long() * PAGE + ids % PAGE
+    valid = (ids < counts.unsqueeze(1)) & (slots >= 0)
+    keys = read_index_keys(cache, torch.where(valid, slots, -1), "fp8")
+    q8, scale = quantize_e4m3(q)
+    dots = torch.einsum("thd,tnd->thn", q8.float(), keys)
+    scores = (dots.clamp_min(0) * (weights * scale).unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
+    return torch.topk(scores, min(K, L), dim=1).indices
+
+
+def main(argv: list[str]) -> int:
+    from tqdm import tqdm
+
+    parser = argparse.ArgumentParser(prog="python -m compile_ops.bench indexer", description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,8,64", help="comma-separated T values (decode tokens)")
+    parser.add_argument("--entries", default="8192,32768,131072", help="comma-separated entries per request")
+    parser.add_argument("--calls", type=int, default=10, help="calls captured in one graph")
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--csv", default="bench_indexer.csv")
+    parser.add_argument("--plot", default="", help="PNG of GB/s against entries per request")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the indexer benchmark times CUDA graphs: it needs a CUDA GPU")
+        return 1
+    import compile_ops
+    from compile_ops.indexer import ops
+    from compile_ops.indexer import triton as tri
+
+    device = torch.device("cuda")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    entries = [int(n) for n in args.entries.split(",")]
+    todo = [(T, n) for n in entries for T in tokens]
+    rows = []
+    compiled_reference = torch.compile(dense_reference, dynamic=False)
+    for T, n in tqdm(todo, desc="indexer", unit="case"):
+        p = problem(T, n, n, device)
+        op_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp8"), args.calls, args.replays)
+        fmt = ops._check_topk(*p, K, "fp8")
+        norm = ops._normalized(*p, K, fmt)
+        scores = torch.empty(T, n, device=device)
+        ids, vals = torch.empty(T, K, dtype=torch.int32, device=device), torch.empty(T, K, device=device)
+        sel = lambda: tri._topk_kernel[(T,)](scores, norm.n, ids, vals, scores.stride(0), ids.stride(0), K,  # noqa: E731
+                                             K_PAD=K, BLOCK=tri.TOPK_BLOCK, ITERS=0, num_warps=8)
+        scores.copy_(torch.randn(T, n, device=device))
+        topk_us = graph_time_us(sel, args.calls, args.replays)
+        torch_topk_us = graph_time_us(lambda: torch.topk(scores, K, dim=1), args.calls, args.replays)
+        ref_us = None
+        if T * n * 128 <= DENSE_LIMIT:
+            ref_us = graph_time_us(lambda: compiled_reference(*p), 2, 3)
+        nbytes = T * n * ENTRY_BYTES
+        rows.append(dict(T=T, entries=n, key_bytes=nbytes, op_us=round(op_us, 1), GBps=round(nbytes / op_us / 1e3, 1),
+                         pct_hbm=round(100 * nbytes / op_us / 1e-6 / HBM_BYTES_PER_S, 1),
+                         compiled_reference_us=None if ref_us is None else round(ref_us, 1),
+                         topk_kernel_us=round(topk_us, 1), torch_topk_us=round(torch_topk_us, 1)))
+    capacity = {}
+    for cap in (1024, 262144):
+        p = problem(64, 1024, cap, device)
+        capacity[cap] = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp8"), args.calls, args.replays)
+    with open(args.csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\n{torch.cuda.get_device_name()}; fp8 index cache, {HEADS} heads, k = {K}; csv: {args.csv}\n")
+    print("| T | entries / request | op us | key GB/s | % of 4.3 TB/s | compiled plain torch us | top-k kernel us | torch.topk us |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        ref = "-" if r["compiled_reference_us"] is None else r["compiled_reference_us"]
+        print(f"| {r['T']} | {r['entries']} | {r['op_us']} | {r['GBps']} | {r['pct_hbm']} | {ref} | "
+              f"{r['topk_kernel_us']} | {r['torch_topk_us']} |")
+    print(f"\ncapacity: 64 requests x 1K entries: {capacity[1024]:.1f} us in a table of 1K entries per request, "
+          f"{capacity[262144]:.1f} us in one of 256K ({capacity[262144] / capacity[1024]:.2f}x)")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for T in tokens:
+            pts = [r for r in rows if r["T"] == T]
+            ax.plot([r["entries"] for r in pts], [r["GBps"] for r in pts], marker="o", label=f"T = {T}")
+        ax.axhline(HBM_BYTES_PER_S / 1e9, color="grey", linestyle="--", label="4.3 TB/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("entries per request")
+        ax.set_ylabel("index-key GB/s")
+        ax.set_title("indexer_topk (fp8, 64 heads, k = 2048)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    return 0

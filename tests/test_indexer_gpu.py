@@ -1,0 +1,100 @@
+"""The indexer's Triton kernels on the GPU against the plain-torch reference (``pytest -m gpu``).
+
+Integer-valued data makes every score exact in any accumulation order, so ids must be
+equal, ties included; shapes span the decode and prefill ranges of the indexer issue.
+"""
+
+import pytest
+import torch
+
+import compile_ops
+from test_indexer import make_problem
+
+pytestmark = pytest.mark.gpu
+i32 = torch.int32
+
+
+def big_problem(T, Hi, n_max, page_size=64, seed=0, causal=False):
+    """``T`` tokens over ``min(T, 4)`` requests of ``n_max`` entries' capacity; random
+    per-token counts (or causal: ``n_max - T + 1 + t``), integer keys, a hole per request."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    R = 1 if causal else min(T, 4)
+    B = n_max // page_size
+    cache = compile_ops.indexer.cache.new_index_cache("fp8", R * B + 1, page_size, device="cuda")
+    n_slots = (R * B + 1) * page_size
+    keys = torch.randint(-7, 8, (n_slots, 128), device="cuda", generator=gen).float()
+    compile_ops.write_index_keys(cache, torch.arange(n_slots, device="cuda"), keys, "fp8")
+    table = torch.randperm(R * B + 1, device="cuda", generator=gen)[: R * B].view(R, B).to(i32)
+    table[:, B // 3] = -1
+    q = torch.randint(-2, 3, (T, Hi, 128), device="cuda", generator=gen).bfloat16()
+    weights = torch.randint(-3, 4, (T, Hi), device="cuda", generator=gen).float()
+    rows = torch.arange(T, device="cuda", dtype=i32) % R
+    if causal:
+        n = n_max - T + 1 + torch.arange(T, device="cuda", dtype=i32)
+    else:
+        n = torch.randint(1, n_max + 1, (T,), device="cuda", generator=gen, dtype=i32)
+    return q, weights, cache, table, rows, n
+
+
+def both(args, k):
+    with compile_ops.use_backends(indexer="reference"):
+        want = compile_ops.indexer_topk(*args, k, "fp8")
+    assert compile_ops.backend_for("indexer", "cuda") == "triton"
+    return compile_ops.indexer_topk(*args, k, "fp8"), want
+
+
+CASES = [(1, 64, 2048, 1 << 19), (8, 32, 1024, 1 << 17), (64, 64, 512, 1 << 15), (256, 32, 2048, 1 << 13),
+         (64, 32, 2048, 1 << 15)]
+
+
+@pytest.mark.parametrize("T,Hi,k,n_max", CASES, ids=[f"T{c[0]}-Hi{c[1]}-k{c[2]}-n{c[3]}" for c in CASES])
+def test_gpu_matches_reference(T, Hi, k, n_max):
+    got, want = both(big_problem(T, Hi, n_max, seed=T), k)
+    assert torch.equal(got, want)
+
+
+def test_gpu_causal_prefill_chunk():
+    """A 4 096-token prefill chunk: every token its own causal count."""
+    got, want = both(big_problem(4096, 64, 8192, causal=True), 512)
+    assert torch.equal(got, want)
+
+
+def test_gpu_graph_replay_new_lengths_no_sync():
+    """Captured once; replays with new counts give the reference's ids; no host sync."""
+    args = list(big_problem(8, 64, 1 << 14, seed=3))
+    out = compile_ops.indexer_topk(*args, 1024, "fp8")  # compiles the kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compile_ops.indexer_topk(*args, 1024, "fp8")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            args[5].copy_(torch.randint(0, 1 << 14, (8,), device="cuda", generator=gen, dtype=i32))
+            graph.replay()
+            compile_ops.indexer_topk(*args, 1024, "fp8")  # eager too, under the sync check
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with compile_ops.use_backends(indexer="reference"):
+        want = compile_ops.indexer_topk(*args, 1024, "fp8")
+    assert torch.equal(out, want)
+
+
+def test_gpu_random_floats_pick_the_top_scores():
+    """Random floats (fp8 products, fp32 accumulation): the chosen ids' reference scores are
+    the reference's top scores within the accumulation's rounding."""
+    q, weights, cache, table, rows, n = make_problem("fp8", 8, 64, 4, 64, 64, seed=1, integer=False)
+    args = (q.cuda(), weights.cuda(), cache.cuda(), table.cuda(), rows.cuda(), n.cuda())
+    from compile_ops.indexer import ops
+    from compile_ops.indexer.reference import scores_reference
+
+    norm = ops._normalized(*args, 256, ops._check_topk(*args, 256, "fp8"))
+    scores = scores_reference(norm, 0, 8)
+    got = compile_ops.indexer_topk(*args, 256, "fp8")
+    ok = got >= 0
+    picked = torch.where(ok, scores.gather(1, got.clamp_min(0).long()), float("-inf"))
+    best = scores.topk(256, dim=1).values
+    tol = 1e-4 * scores.masked_fill(scores.isinf(), 0).abs().amax(1, keepdim=True)
+    assert (ok.sum(1) == (best > float("-inf")).sum(1)).all()
+    assert ((picked - best).abs().masked_fill(~ok, 0) <= tol).all()
