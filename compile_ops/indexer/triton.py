@@ -76,7 +76,7 @@ def _scores_kernel(
         else:
             b_dot = tl.dot(b_k, tl.trans(b_q))  # [BN, HI] fp32
         b_s = tl.sum(tl.maximum(b_dot, 0.0) * b_w[None, :], 1) * b_scale + 0.0  # + 0.0: no -0.0
-        tl.store(scores + i_t * s_st + c, tl.where(m_c, b_s, float("-inf")), mask=c < n_t)
+        tl.store(scores + i_t.to(tl.int64) * s_st + c, tl.where(m_c, b_s, float("-inf")), mask=c < n_t)
 
 
 @triton.jit
@@ -96,12 +96,12 @@ def _topk_kernel(
     chunks = ITERS if ITERS > 0 else tl.cdiv(n_t, BLOCK)
     o_b = tl.arange(0, BLOCK)
     o_d = tl.arange(0, 256)
-    row = scores + i_t * s_st
+    row = scores + i_t.to(tl.int64) * s_st
     need = K  # entries still to find at or below the prefix
     prefix = tl.zeros([], tl.int32)  # digits so far of the k-th largest key, sign bit flipped
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
-        high_bits: tl.constexpr = (1 << (8 * p)) - 1
+        shift = 24 - 8 * p
+        high_bits = (1 << (8 * p)) - 1
         hist = tl.zeros([256], tl.int32)
         for i in range(0, chunks):
             c = i * BLOCK + o_b
