@@ -9,7 +9,7 @@ reads or scores past it, whatever the cache's capacity):
   ``[Hi, 128]`` queries (e4m3 x e4m3 or bf16 x bf16, fp32 accumulation) and stores
   ``scale * sum_h w[h] * relu(dot)`` (``-inf`` at holes) into a scores buffer.
 * ``_topk_kernel``, one program per token: the scores become order-preserving 32-bit keys;
-  four 8-bit radix passes (``tl.histogram`` of the next digit among the entries that share
+  ``32 / TOPK_DIGIT`` radix passes (``tl.histogram`` of the next digit among the entries that share
   the prefix so far) find the ``k``-th largest key exactly and how many entries equal to it
   to keep; a last pass gathers, in id order, every entry above it and the lowest-id ones
   equal to it (so equal scores go to the lower id), and ``tl.sort`` orders the ``k``
@@ -34,7 +34,8 @@ from compile_ops.mla.plan import num_sms
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BN = 64  # entries per scores block
-TOPK_BLOCK = 1024  # scores per step of the top-k passes
+TOPK_BLOCK = 4096  # scores per step of the top-k passes
+TOPK_DIGIT = 8  # bits per radix pass (32 / TOPK_DIGIT passes)
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
 PROGRAMS_PER_SM = 4
 
@@ -89,34 +90,35 @@ def _sortable(x):
 @triton.jit
 def _topk_kernel(
     scores, n, ids, vals, s_st, s_it, K,
-    K_PAD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    K_PAD: tl.constexpr, BLOCK: tl.constexpr, DIGIT: tl.constexpr, ITERS: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     n_t = tl.load(n + i_t)
     chunks = ITERS if ITERS > 0 else tl.cdiv(n_t, BLOCK)
     o_b = tl.arange(0, BLOCK)
-    o_d = tl.arange(0, 256)
+    BINS: tl.constexpr = 1 << DIGIT
+    o_d = tl.arange(0, BINS)
     row = scores + i_t.to(tl.int64) * s_st
     need = K  # entries still to find at or below the prefix
     prefix = tl.zeros([], tl.int32)  # digits so far of the k-th largest key, sign bit flipped
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        high_bits = (1 << (8 * p)) - 1
-        hist = tl.zeros([256], tl.int32)
+    for p in tl.static_range(32 // DIGIT):
+        shift = 32 - DIGIT * (p + 1)
+        high_bits = (1 << (DIGIT * p)) - 1
+        hist = tl.zeros([BINS], tl.int32)
         for i in range(0, chunks):
             c = i * BLOCK + o_b
             x = tl.load(row + c, mask=c < n_t, other=float("-inf"))
             key = _sortable(x) ^ -2147483648  # unsigned order as bits; masks undo sign extension
             m = (c < n_t) & (x > float("-inf"))
             if p > 0:
-                m = m & (((key >> (shift + 8)) & high_bits) == prefix)
-            hist += tl.histogram((key >> shift) & 255, 256, mask=m)
+                m = m & (((key >> (shift + DIGIT)) & high_bits) == prefix)
+            hist += tl.histogram((key >> shift) & (BINS - 1), BINS, mask=m)
         if p == 0:
             need = tl.minimum(need, tl.sum(hist))  # valid entries: at most that many ids
         at_or_above = tl.cumsum(hist, 0, reverse=True)
         digit = tl.max(tl.where(at_or_above >= need, o_d, 0))
         need -= tl.sum(tl.where(o_d == digit, at_or_above - hist, 0))
-        prefix = (prefix << 8) | digit
+        prefix = (prefix << DIGIT) | digit
     # the k-th largest key; keep everything above it and `need` ties, lowest ids first
     prefix = prefix ^ -2147483648
     taken = tl.zeros([], tl.int32)
@@ -177,7 +179,7 @@ def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
         )
         launchable(_topk_kernel, q)[(hi - lo,)](
             scores, n[lo:hi], ids[lo:hi], vals[lo:hi], scores.stride(0), ids.stride(0), k,
-            K_PAD=triton.next_power_of_2(k), BLOCK=TOPK_BLOCK, ITERS=triton.cdiv(L, TOPK_BLOCK) if INTERPRET else 0,
+            K_PAD=triton.next_power_of_2(k), BLOCK=TOPK_BLOCK, DIGIT=TOPK_DIGIT, ITERS=triton.cdiv(L, TOPK_BLOCK) if INTERPRET else 0,
             num_warps=8,
         )
     return ids, vals
