@@ -40,7 +40,8 @@ BN = 64  # entries per scores block
 TOPK_BLOCK = 4096  # scores per step of the top-k passes
 TOPK_DIGIT = 8  # bits per radix pass (32 / TOPK_DIGIT passes)
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
-PROGRAMS_PER_SM = 4
+SCORE_PROGRAMS_PER_SM = 16  # the scores kernel's grid: enough loads in flight to stream keys
+TOPK_PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 64  # segments a row's top-k passes split it into
 
 
@@ -234,7 +235,7 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     ``vals [T, k]``: radix passes over ``S`` segments of every row at once (segments of a
     multiple of ``block`` scores), then one sort."""
     T, L = scores.shape
-    S = max(1, min(MAX_SEGMENTS, PROGRAMS_PER_SM * num_sms(scores.device) // max(1, T), triton.cdiv(L, block)))
+    S = max(1, min(MAX_SEGMENTS, TOPK_PROGRAMS_PER_SM * num_sms(scores.device) // max(1, T), triton.cdiv(L, block)))
     seg = triton.cdiv(triton.cdiv(L, S), block) * block
     S = triton.cdiv(L, seg)
     bins = 1 << TOPK_DIGIT
@@ -253,7 +254,7 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     launchable(_gather_kernel, scores)[(T, S)](scores, n, state, counts, ids, vals, scores.stride(0), ids.stride(0),
                                                seg, S, S_PAD=s_pad, BLOCK=block, ITERS=iters)
     launchable(_sort_kernel, scores)[(T,)](state, counts, ids, vals, ids.stride(0), k, S,
-                                           S_PAD=s_pad, K_PAD=triton.next_power_of_2(k), num_warps=8)
+                                           S_PAD=s_pad, K_PAD=triton.next_power_of_2(k), num_warps=16)
 
 
 def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,12 +273,13 @@ def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
     for lo in range(0, T, chunk):
         hi = min(T, lo + chunk)
         scores = torch.empty((hi - lo, L), dtype=torch.float32, device=q.device)
-        S = max(1, min(blocks, PROGRAMS_PER_SM * sms // (hi - lo)))
+        S = max(1, min(blocks, SCORE_PROGRAMS_PER_SM * sms // (hi - lo)))
         launchable(_scores_kernel, q)[(hi - lo, S)](
             q[lo:hi], w[lo:hi], cache, table, rows[lo:hi], n[lo:hi], scores,
             q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
             cache.shape[0] * page_size, page_size, Hi, S,
             HI=HI, FP8=fmt.fp8, BN=BN, ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET,
+            num_stages=4 if hi - lo >= 32 else 2,  # deeper key prefetch once many tokens share the SMs
         )
         topk_of_rows(scores, n[lo:hi], ids[lo:hi], vals[lo:hi], k)
     return ids, vals
