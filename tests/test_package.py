@@ -46,3 +46,22 @@ def test_nothing_cites_a_document_outside_the_repo():
                 if re.search(r"DESIGN(\.md| \d)", line) and path.name != "test_package.py":
                     hits.append(f"{path.relative_to(ROOT)}:{i}")
     assert hits == []
+
+
+def test_public_docstring_examples_run():
+    """Every ``>>>`` example in a public name's docstring runs and prints what it shows."""
+    import doctest
+
+    import compile_ops
+
+    ran = 0
+    for name in compile_ops.__all__:
+        doc = getattr(getattr(compile_ops, name), "__doc__", None) or ""
+        if ">>>" not in doc:
+            continue
+        test = doctest.DocTestParser().get_doctest(doc, {}, name, None, 0)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        runner.run(test)
+        assert runner.failures == 0, f"{name}'s docstring example fails"
+        ran += 1
+    assert ran >= 8
