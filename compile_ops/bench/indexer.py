@@ -18,7 +18,7 @@ import csv
 
 import torch
 
-from compile_ops.bench.slots import graph_time_us
+from compile_ops.bench.slots import graph_args, graph_time_us, no_cuda
 
 HBM_BYTES_PER_S = 4.3e12  # H200
 ENTRY_BYTES = 132
@@ -69,13 +69,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m compile_ops.bench indexer", description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,8,64", help="comma-separated T values (decode tokens)")
     parser.add_argument("--entries", default="8192,32768,131072", help="comma-separated entries per request")
-    parser.add_argument("--calls", type=int, default=10, help="calls captured in one graph")
-    parser.add_argument("--replays", type=int, default=10)
-    parser.add_argument("--csv", default="bench_indexer.csv")
+    graph_args(parser, 10, "bench_indexer.csv")
     parser.add_argument("--plot", default="", help="PNG of GB/s against entries per request")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the indexer benchmark times CUDA graphs: it needs a CUDA GPU")
+    if no_cuda("indexer"):
         return 1
     import compile_ops
     from compile_ops.indexer import ops

@@ -44,6 +44,21 @@ def graph_time_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) 
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
+def graph_args(parser: argparse.ArgumentParser, calls: int, csv_path: str) -> None:
+    """The options of every CUDA-graph-timed benchmark: calls per graph, replays, CSV path."""
+    parser.add_argument("--calls", type=int, default=calls, help="calls captured in one graph")
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--csv", default=csv_path)
+
+
+def no_cuda(what: str) -> bool:
+    """``True`` (after saying why) when no CUDA GPU can time ``what``'s graphs."""
+    if torch.cuda.is_available():
+        return False
+    print(f"the {what} benchmark times CUDA graphs: it needs a CUDA GPU")
+    return True
+
+
 def topk_problem(T: int, K: int, device, block_size: int = 64, pages: int = 64):
     """``T`` tokens over ``min(T, 64)`` requests, each with ``pages`` pages of ``block_size``
     compressed entries; top-k ids are distinct valid ids with ~10% ``-1`` padding."""
@@ -96,12 +111,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", default="1,4,16,64,256,512,1024,4096", help="comma-separated T values")
     parser.add_argument("--topk", default="512,2048", help="comma-separated K values")
     parser.add_argument("--window", type=int, default=128)
-    parser.add_argument("--calls", type=int, default=20, help="calls captured in one graph")
-    parser.add_argument("--replays", type=int, default=10)
-    parser.add_argument("--csv", default="bench_slots.csv")
+    graph_args(parser, 20, "bench_slots.csv")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the slots benchmark times CUDA graphs: it needs a CUDA GPU")
+    if no_cuda("slots"):
         return 1
     device = torch.device("cuda")
     tokens = [int(t) for t in args.tokens.split(",")]
