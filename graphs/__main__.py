@@ -33,7 +33,7 @@ from graphs.bench import REL_TOL, agreement, eager_twin, fill_random, flash_cach
 from graphs.schedule import hidden_states, run_schedule, staggered
 
 DEFAULT_RATIOS = (1, 2)
-OP_FAMILIES = ("sparse_mla", "slots", "kv")  # the families --backend chooses for
+OP_FAMILIES = ("sparse_mla", "slots", "kv", "indexer")  # the families --backend chooses for
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     print("Each layer's compiled decode is compared with the eager layer on the same inputs and weights.", flush=True)
     results = {}
     for ratio in args.ratios:
-        with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, kv=args.backend):
+        with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, kv=args.backend, indexer=args.backend):
             info = run_layer(args, ratio, deadline)
         report(info)
         results[f"ratio {ratio}"] = info

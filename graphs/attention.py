@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
 from compile_ops.formats import new_cache
+from compile_ops.indexer.cache import INDEX_DIM, new_index_cache
 from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.metadata import StepInputs, step_inputs
@@ -119,50 +120,54 @@ class Compressor(nn.Module):
         return entry, closing
 
 
+def hadamard(n: int, device=None) -> Tensor:
+    """The ``n x n`` orthonormal Hadamard matrix (Sylvester's construction, ``n`` a power of 2)."""
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h * n**-0.5
+
+
 class Indexer(nn.Module):
     """Top-k selection of compressed entries: ``score[t, c] = sum_h w_h(x_t) relu(<q_th, k_c>)``.
 
-    Index queries ``wq_b(qr) -> [T, Hi, Di]`` (RoPE on the last 64 dims), index keys from
-    the indexer's own :class:`Compressor` (``Di`` wide) kept in ``kv_cache [R + 1, L, Di]``
-    bf16 by request row and entry id, head weights ``weights_proj(x) / sqrt(Di * Hi)``.
-    Entries ``c >= seq_len // ratio`` (not yet closed) are masked; the ``K = min(topk, L)``
-    best ids come from ``torch.topk`` (highest first), ``-1`` where fewer exist.
-
-    DeepSeek's reference also applies a Hadamard rotation to both sides before an fp8/fp4
-    quantisation; the rotation is orthogonal, so without that quantisation it leaves the
-    scores unchanged and is omitted here.
+    Index queries ``wq_b(qr) -> [T, Hi, 128]`` (RoPE on the last 64 dims), index keys from
+    the indexer's own :class:`Compressor`, head weights ``weights_proj(x) / sqrt(Di * Hi)``.
+    As in DeepSeek's reference, queries and keys are rotated by a 128 x 128 Hadamard matrix
+    (orthogonal: exact scores are unchanged; it spreads outliers before quantization). The
+    keys live in ``index_cache``, a paged index-key cache in ``cache.index_format`` addressed
+    by the compressed cache's block table and written at its slots; the ids come from
+    ``dsv41::indexer_topk`` over each token's ``n_entries`` closed entries (``-1`` padded),
+    so the cost follows the entries a request has, not the cache's capacity.
     """
 
     def __init__(self, cfg: AttentionConfig, cache: CacheConfig, ratio: int, device=None) -> None:
         super().__init__()
+        if cfg.index_head_dim != INDEX_DIM:
+            raise ValueError(f"the indexer ops take {INDEX_DIM}-wide keys, got index_head_dim {cfg.index_head_dim}")
         self.ratio = ratio
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.rope_head_dim
-        self.entries = cache.max_entries(ratio)
-        self.topk = min(cfg.index_topk, self.entries)
+        self.topk = min(cfg.index_topk, cache.max_entries(ratio))
+        self.index_format = cache.index_format
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=torch.bfloat16, device=device)
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=torch.bfloat16, device=device)
         self.compressor = Compressor(cfg, ratio, self.head_dim, cfg.overlaps(ratio), cache.max_requests, device)
-        keys = torch.zeros(cache.max_requests + 1, self.entries, self.head_dim, dtype=torch.bfloat16, device=device)
-        self.register_buffer("kv_cache", keys, persistent=False)
+        keys = new_index_cache(cache.index_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
+        self.register_buffer("index_cache", keys, persistent=False)
+        self.register_buffer("rotation", hadamard(self.head_dim, device).to(torch.bfloat16), persistent=False)
 
-    def forward(self, x, qr, pos, row, valid, n_entries, cos, sin, cos_table, sin_table) -> Tensor:
+    def forward(self, x, qr, pos, row, valid, n_entries, cos, sin, cos_table, sin_table, inp: StepInputs) -> Tensor:
         """Top-k request-local entry ids ``[T, K]`` int32 (``-1`` padded)."""
         T = x.shape[0]
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        q = _rope_last(q, self.rope_dim, cos, sin)
-        key, closing = self.compressor(x, pos, row, valid, cos_table, sin_table)
-        entry = pos // self.ratio
-        write = closing & (entry < self.entries)
-        spare = self.kv_cache.shape[0] - 1
-        self.kv_cache.index_put_((torch.where(write, row, spare), torch.where(write, entry, 0)), key)
-        keys = self.kv_cache[row]  # [T, L, Di]
-        logits = torch.bmm(q, keys.transpose(1, 2))  # [T, Hi, L]
+        q = _rope_last(q, self.rope_dim, cos, sin) @ self.rotation
+        key, _ = self.compressor(x, pos, row, valid, cos_table, sin_table)
+        # written where the compressed entry of the same group is (inp.cmp_slots, -1 if none)
+        torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key.to(torch.bfloat16) @ self.rotation,
+                                         self.index_format)
         weights = self.weights_proj(x).float() * (self.head_dim * self.n_heads) ** -0.5
-        score = (logits.float().relu() * weights.unsqueeze(-1)).sum(dim=1)
-        exists = torch.arange(self.entries, device=x.device) < n_entries.unsqueeze(1)
-        score = score.masked_fill(~exists, float("-inf"))
-        best, ids = score.topk(self.topk, dim=-1)
-        return torch.where(best > float("-inf"), ids, -1).to(torch.int32)
+        return torch.ops.dsv41.indexer_topk(q.contiguous(), weights, self.index_cache, inp.cmp_block_table,
+                                            inp.token_to_req, n_entries.to(torch.int32), self.topk, self.index_format)
 
 
 class DSV41Attention(nn.Module):
@@ -177,7 +182,7 @@ class DSV41Attention(nn.Module):
 
     Buffers: ``swa_cache`` (paged by position) and ``cmp_cache`` (paged by compressed
     entry), both ``[pages, page_size, row_width]`` in ``cache.kv_format``;
-    ``compressor.{kv,score}_state``; ``indexer.kv_cache``; ``topk_ids [max_tokens, K]``
+    ``compressor.{kv,score}_state``; ``indexer.index_cache``; ``topk_ids [max_tokens, K]``
     (the last step's request-local compressed ids); ``rope_cos`` / ``rope_sin``.
 
     Example::
@@ -294,7 +299,7 @@ class DSV41Attention(nn.Module):
             torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.kv_format, self.kv_scale)
             n_entries = torch.where(valid, inp.seq_lens // ratio, 0)
             if self.indexer is not None:
-                topk = self.indexer(x, qr, pos, row, valid, n_entries, cos, sin, self.rope_cos, self.rope_sin)
+                topk = self.indexer(x, qr, pos, row, valid, n_entries, cos, sin, self.rope_cos, self.rope_sin, inp)
             else:
                 ids = torch.arange(self.topk, device=x.device, dtype=torch.int32)
                 topk = torch.where(ids < n_entries.unsqueeze(1), ids, -1)

@@ -24,6 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+import compile_ops
+from compile_ops.indexer.cache import INDEX_DIM
 from graphs.attention import DSV41Attention
 from graphs.config import V41_FLASH, AttentionConfig, CacheConfig
 from graphs.runner import DecodeRunner
@@ -110,13 +112,15 @@ def fill_random(layer: DSV41Attention, seed: int = 0) -> None:
     """Fill bf16 caches and the index keys with random rows, so a step at a late position
     attends a full window and a top-k chosen among many real scores."""
     gen = torch.Generator(device=layer.swa_cache.device).manual_seed(seed)
-    for name in ("swa_cache", "cmp_cache", "indexer.kv_cache"):
-        try:
-            buf = layer.get_buffer(name)
-        except AttributeError:
-            continue
+    for name in ("swa_cache", "cmp_cache"):
+        buf = layer.get_buffer(name)
         if buf is not None and buf.dtype == torch.bfloat16:
             buf.normal_(generator=gen)
+    if layer.indexer is not None:  # quantized like real keys: random bytes would not be
+        keys = layer.indexer.index_cache
+        n = keys.shape[0] * keys.shape[1]
+        compile_ops.write_index_keys(keys, torch.arange(n, device=keys.device),
+                                     torch.randn(n, INDEX_DIM, device=keys.device, generator=gen), layer.indexer.index_format)
 
 
 def _sync(device) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from compile_ops.formats import get_format
+from compile_ops.indexer.cache import get_index_format
 
 HEAD_DIM = 512
 ROPE_DIM = 64
@@ -89,12 +90,14 @@ class CacheConfig:
             state).
         max_tokens: largest step (the largest CUDA-graph bucket), one token per request.
         max_seq_len: longest sequence; sizes the RoPE tables, the block tables and the
-            indexer's key buffer.
+            indexer's block tables.
         page_size: tokens per page of the SWA cache.
         cmp_block_size: compressed entries per page of the compressed cache
             (``None``: ``max(1, page_size // ratio)``, i.e. a page covers ``page_size``
             tokens).
         kv_format: format of both caches (``compile_ops.formats``).
+        index_format: format of the indexer's paged index-key cache, ``"fp8"`` (132 B per
+            entry, e4m3 products) or ``"bf16"`` (``compile_ops.indexer.cache``).
         kv_scale: per-tensor scale of the ``"fp8"`` format.
         num_pages: pages of each cache (``None``: ``max_requests`` times the pages one
             request needs, plus one spare so block tables can leave page 0 unused).
@@ -108,6 +111,7 @@ class CacheConfig:
     kv_format: str = "bf16"
     kv_scale: float = 1.0
     num_pages: int | None = None
+    index_format: str = "fp8"
 
     def __post_init__(self) -> None:
         for name in ("max_requests", "max_tokens", "max_seq_len", "page_size"):
@@ -120,6 +124,7 @@ class CacheConfig:
                 "a decode step holds one token per request"
             )
         get_format(self.kv_format)
+        get_index_format(self.index_format)
 
     def block_size(self, ratio: int) -> int:
         """Compressed entries per page for compress ratio ``ratio``."""
@@ -167,7 +172,7 @@ V4_FLASH = AttentionConfig(
 V4_PRO = replace(V4_FLASH, name="V4-Pro", dim=7168, n_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024)
 TINY = AttentionConfig(
     name="tiny", dim=64, n_heads=4, q_lora_rank=32, o_lora_rank=32, o_groups=2,
-    window_size=8, index_n_heads=2, index_head_dim=64, index_topk=8,
+    window_size=8, index_n_heads=2, index_head_dim=128, index_topk=8,
     compress_ratios=(0, 1, 2, 4, 128), overlap_ratios=(4,), dense_ratios=(128,),
 )
 PRESETS = {c.name: c for c in (V41_FLASH, V4_FLASH, V4_PRO, TINY)}

@@ -56,9 +56,11 @@ def naive_entries(compressor, layer: DSV41Attention, xs: Tensor) -> Tensor:
     return _rope(out, torch.arange(groups, device=xs.device) * r, layer)
 
 
-def naive_index_scores(layer: DSV41Attention, xs: Tensor) -> Tensor:
+def naive_index_scores(layer: DSV41Attention, xs: Tensor, magnitude: bool = False) -> Tensor:
     """Indexer scores ``[S, S // ratio]`` of each position against every entry that
-    exists there (``-inf`` for entries not yet closed)."""
+    exists there (``-inf`` for entries not yet closed). ``magnitude``: instead, the scale of
+    each score's rounding, ``sum_h |w_h| |q_h| |k_c|`` (2-norms, which the layer's Hadamard
+    rotation keeps)."""
     idx, cfg = layer.indexer, layer.cfg
     S = xs.shape[0]
     pos = torch.arange(S, device=xs.device)
@@ -66,7 +68,10 @@ def naive_index_scores(layer: DSV41Attention, xs: Tensor) -> Tensor:
     q = _rope(_linear(qr, idx.wq_b).view(S, idx.n_heads, idx.head_dim), pos, layer)
     keys = naive_entries(idx.compressor, layer, xs)
     weights = _linear(xs, idx.weights_proj) * (idx.head_dim * idx.n_heads) ** -0.5
-    score = (torch.einsum("shd,cd->shc", q, keys).relu() * weights.unsqueeze(-1)).sum(dim=1)
+    if magnitude:
+        score = (q.norm(dim=-1).unsqueeze(-1) * keys.norm(dim=-1) * weights.abs().unsqueeze(-1)).sum(dim=1)
+    else:
+        score = (torch.einsum("shd,cd->shc", q, keys).relu() * weights.unsqueeze(-1)).sum(dim=1)
     exists = torch.arange(keys.shape[0], device=xs.device) < ((pos + 1) // layer.compress_ratio).unsqueeze(1)
     return score.masked_fill(~exists, float("-inf"))
 

@@ -138,7 +138,8 @@ def test_export_step_reference_ops():
     """On the CPU every op stays a call (reference kernels); ``T`` is dynamic in [1, max_tokens]."""
     program = export_step(tiny_layer())
     assert remaining_custom_ops(program) == [
-        "dsv41.sparse_mla_out.default", "dsv41.swa_indices.default", "dsv41.topk_to_slots.default", "dsv41.write_kv.default",
+        "dsv41.indexer_topk.default", "dsv41.sparse_mla_out.default", "dsv41.swa_indices.default",
+        "dsv41.topk_to_slots.default", "dsv41.write_index_keys.default", "dsv41.write_kv.default",
     ]
     (T,) = [s for s in program.range_constraints.values()]
     assert (T.lower, T.upper) == (1, 4)
