@@ -209,3 +209,25 @@ def test_interpreter_topk_over_many_segments(k):
     topk_of_rows(scores, n, ids, vals, k, block=16)
     assert torch.equal(ids, want_ids)
     assert torch.equal(vals, want_vals)
+
+
+def test_triton_limits_send_auto_to_the_reference():
+    """A k or a head count past the Triton kernels' limits: ``auto`` takes the reference,
+    an explicit ``triton`` raises the reason (asked of a CUDA device, without running)."""
+    from compile_ops import backends
+    from compile_ops.indexer.inputs import TRITON_MAX_K, triton_args_unsupported
+
+    args = make_problem("fp8", 2, 4, 2, 2, 4, seed=0)
+    fmt = ops._check_topk(*args, TRITON_MAX_K + 1, "fp8")
+    too_many = ops._normalized(*args, TRITON_MAX_K + 1, fmt)
+    assert "k <= 4096" in triton_args_unsupported(too_many)
+    assert triton_args_unsupported(ops._normalized(*args, 16, fmt)) is None
+    wide = too_many._replace(k=16, q=torch.zeros(2, 129, 128))
+    assert "at most 128 heads" in triton_args_unsupported(wide)
+    cuda = torch.device("cuda")
+    with pytest.MonkeyPatch.context() as mp:  # a triton backend that could run here
+        mp.setitem(backends._REGISTRY["indexer"], "triton",
+                   (lambda device, fmt: None, *backends._REGISTRY["indexer"]["triton"][1:]))
+        assert backends.resolve("indexer", cuda, None, too_many)[0] == "reference"
+        with compile_ops.use_backends(indexer="triton"), pytest.raises(ValueError, match="k <= 4096"):
+            backends.resolve("indexer", cuda, None, too_many)

@@ -6,11 +6,24 @@ row, ``L = B * page_size`` entries a row can address.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from torch import Tensor
 
 from compile_ops.indexer.cache import IndexFormat
+
+
+TRITON_MAX_K = 4096  # the Triton top-k sorts a row's k kept entries in one program's registers
+TRITON_MAX_HEADS = 128  # the scores kernel holds a token's [Hi, 128] queries in registers
+
+
+def triton_args_unsupported(args: "IndexerArgs") -> Optional[str]:
+    """The ``triton`` backend's limits: ``None`` when its kernels take this call, else why not."""
+    if args.k > TRITON_MAX_K:
+        return f"the Triton indexer takes k <= {TRITON_MAX_K}, got k = {args.k}"
+    if args.q.shape[1] > TRITON_MAX_HEADS:
+        return f"the Triton indexer takes at most {TRITON_MAX_HEADS} heads, got {args.q.shape[1]}"
+    return None
 
 
 class IndexerArgs(NamedTuple):

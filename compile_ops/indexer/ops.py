@@ -14,7 +14,7 @@ from compile_ops import backends
 from compile_ops._checks import check_dim, check_int, check_tensor
 from compile_ops._groups import group_rank, group_size
 from compile_ops.indexer.cache import INDEX_DIM, check_index_cache, encode_index_rows, quantize_e4m3
-from compile_ops.indexer.inputs import IndexerArgs
+from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
 from compile_ops.indexer.reference import indexer_topk_reference, topk_of_scores
 
 
@@ -75,7 +75,7 @@ def _topk(args: IndexerArgs) -> tuple[Tensor, Tensor]:
     T, k = args.q.shape[0], args.k
     if T == 0 or args.block_table.shape[0] * args.block_table.shape[1] * args.cache.shape[1] == 0:
         return args.q.new_full((T, k), -1, dtype=torch.int32), args.q.new_full((T, k), float("-inf"), dtype=torch.float32)
-    return backends.implementation("indexer", "indexer_topk", args.q.device)(args)
+    return backends.implementation("indexer", "indexer_topk", args.q.device, None, args)(args)
 
 
 @torch.library.custom_op("dsv41::indexer_topk", mutates_args=())
@@ -135,7 +135,8 @@ def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_fo
 
 
 backends.register_backend("indexer", "triton", backends.cuda_with_triton,
-                          {"indexer_topk": backends.imported("compile_ops.indexer.triton", "indexer_topk_triton")})
+                          {"indexer_topk": backends.imported("compile_ops.indexer.triton", "indexer_topk_triton")},
+                          limits=triton_args_unsupported)
 backends.register_backend("indexer", "reference", backends.any_device, {"indexer_topk": indexer_topk_reference})
 
 write_index_keys.__doc__ = """Quantize ``keys [N, 128]`` and write row ``i`` to slot ``slots[i]`` of an index-key cache.
