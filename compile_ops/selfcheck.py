@@ -3,7 +3,9 @@
 The oracles here are dense reformulations (attention over the whole cache weighted by how
 often each slot is selected, stable argsort compaction, logsumexp), not the per-entry
 gathers the reference uses, so the two agree only if both read docs/ops.md the same way.
-Prints one row per op: backend, shapes, max error, tolerance, verdict; exits 1 on a failure.
+``indexer_topk`` is checked on integer-valued data (exact scores): its error is the number
+of tokens whose ids differ. Prints one row per op: backend, shapes, max error, tolerance,
+verdict; exits 1 on a failure.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -188,22 +190,61 @@ def check_dcp_combine(world: int = 2) -> Row:
     return Row("dcp_combine[ag_rs,a2a]", "gloo", f"world={world} T=8 H_all=16 D=512", error, 1e-5)
 
 
+def check_indexer_topk(index_format: str, gen: torch.Generator, device) -> Row:
+    """``indexer_topk`` on integer-valued queries, keys and weights (exact in every precision,
+    so ties are exact too) against float64 scores over every entry and a stable sort."""
+    from compile_ops.indexer.cache import new_index_cache, read_index_keys
+
+    T, Hi, R, B, page, k = 6, 8, 3, 5, 16, 24
+    cache = new_index_cache(index_format, R * B + 1, page, device=device)
+    n_slots = (R * B + 1) * page
+    compile_ops.write_index_keys(cache, torch.arange(n_slots, device=device),
+                                 torch.randint(-4, 5, (n_slots, 128), generator=gen).float().to(device), index_format)
+    table = torch.randperm(R * B + 1, generator=gen)[: R * B].view(R, B).to(i32)
+    table[1, 2] = -1
+    q = torch.randint(-2, 3, (T, Hi, 128), generator=gen).to(torch.bfloat16)  # e4m3-exact after scaling
+    weights = torch.randint(-3, 4, (T, Hi), generator=gen).float()
+    rows = torch.tensor([0, 1, 2, 1, 3, -1], dtype=i32)
+    n = torch.tensor([80, 70, 5, 0, 10, 9], dtype=i32)
+    got = compile_ops.indexer_topk(q.to(device), weights.to(device), cache, table.to(device), rows.to(device),
+                                   n.to(device), k, index_format).cpu()
+    keys = read_index_keys(cache, torch.arange(n_slots, device=device), index_format).double().cpu()
+    want = torch.full((T, k), -1, dtype=i32)
+    for t in range(T):
+        r, count = int(rows[t]), min(int(n[t]), B * page)
+        if not 0 <= r < R or count <= 0:
+            continue
+        ids = torch.arange(count)
+        pages = table[r, ids // page].long()
+        ids = ids[pages >= 0]
+        slots = table[r, ids // page].long() * page + ids % page
+        score = (torch.einsum("hd,nd->hn", q[t].double(), keys[slots]).clamp_min(0) * weights[t].double()[:, None]).sum(0)
+        order = torch.sort(-score, stable=True).indices[:k]
+        want[t, : order.shape[0]] = ids[order].to(i32)
+    error = float((got != want).any(1).sum())
+    return Row(f"indexer_topk[{index_format}]", compile_ops.backend_for("indexer", device), f"T={T} Hi={Hi} k={k} n<=80",
+               error, 0.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m compile_ops", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="device to run the ops on (default: cpu)")
     parser.add_argument("--backend", default="reference", help="backend for every op family, or 'auto' (default: reference)")
     parser.add_argument("--no-dcp", action="store_true", help="skip the 2-process gloo dcp_combine check")
     args = parser.parse_args(argv)
+    families = [f.name for f in fields(compile_ops.BackendConfig)]
+    choice = {family: args.backend for family in families}
     try:  # a device torch cannot use, or a backend that cannot run there: before any work
         device = torch.device(args.device)
-        with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, combine=args.backend, kv=args.backend):
-            for family in ("sparse_mla", "slots", "combine", "kv"):
+        with compile_ops.use_backends(**choice):
+            for family in families:
                 compile_ops.backend_for(family, device)
     except (RuntimeError, ValueError) as err:
         parser.error(str(err))
     gen = torch.Generator().manual_seed(0)
-    with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, combine=args.backend, kv=args.backend):
+    with compile_ops.use_backends(**choice):
         rows = [check_sparse_mla(f, gen, device) for f in KV_FORMATS]
+        rows += [check_indexer_topk(f, gen, device) for f in ("bf16", "fp8")]
         rows += check_slots(gen, device)
         rows.append(check_lse_combine(gen, device))
         if not args.no_dcp:
