@@ -24,18 +24,15 @@ or on CPU tensors under ``TRITON_INTERPRET=1`` (loops then run to a compile-time
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from compile_ops._launch import launchable
+from compile_ops._launch import INTERPRET, launchable
 from compile_ops.indexer.cache import INDEX_DIM
 from compile_ops.indexer.inputs import IndexerArgs
 from compile_ops.mla.plan import num_sms
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BN = 64  # entries per scores block
 TOPK_BLOCK = 4096  # scores per step of the top-k passes
 TOPK_DIGIT = 8  # bits per radix pass (32 / TOPK_DIGIT passes)

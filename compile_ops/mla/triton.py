@@ -38,7 +38,6 @@ the same warps that multiply: what the Gluon kernel's warp specialization avoids
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,16 +46,12 @@ import triton
 import triton.language as tl
 
 from compile_ops import formats
-from compile_ops._launch import launchable
+from compile_ops._launch import INTERPRET, launchable
 from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.merge import merge
 from compile_ops.mla.plan import BH, BN, UNSPECIALIZED, plan
 
 LOG2E = tl.constexpr(formats.LOG2E)
-# Under TRITON_INTERPRET=1 (CPU) tl.dot on bf16 operands returns garbage (docs/design.md,
-# testing): upcast the operands to fp32 there, and only there. Decided once, at import,
-# like Triton itself.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
