@@ -15,6 +15,7 @@
 
 from graphs.attention import Compressor, DSV41Attention, Indexer, RMSNorm
 from graphs.config import PRESETS, TINY, V4_FLASH, V4_PRO, V41_FLASH, AttentionConfig, CacheConfig
+from graphs.memory import buffer_bytes
 from graphs.metadata import StepInputs, StepMetadata, default_block_tables, step_inputs
 from graphs.runner import DEFAULT_BUCKETS, DecodeRunner, DecodeStep, compiled_call, mark_tokens_dynamic
 
@@ -35,6 +36,7 @@ __all__ = [
     "V41_FLASH",
     "V4_FLASH",
     "V4_PRO",
+    "buffer_bytes",
     "compiled_call",
     "default_block_tables",
     "mark_tokens_dynamic",

@@ -220,3 +220,21 @@ def test_compiled_step_matches_eager_over_multistep_decode():
     for name, part in (("swa_cache", slice(None)), ("cmp_cache", slice(None)), ("compressor.kv_state", rows),
                        ("indexer.compressor.kv_state", rows)):
         assert rel_err(layer.get_buffer(name)[part], eager_layer.get_buffer(name)[part]) < 2e-2, name
+
+
+@pytest.mark.parametrize("ratio", [0, 1, 2, 4, 128])
+@pytest.mark.parametrize("kv_format,index_format", [("bf16", "fp8"), ("fp8_dsv41", "bf16")])
+def test_buffer_bytes_formula_equals_the_layers_buffers(ratio, kv_format, index_format):
+    """``graphs.buffer_bytes`` (the documented memory formula) predicts every byte the layer
+    allocates for buffers, per group and in total."""
+    from graphs import buffer_bytes
+
+    cache = CacheConfig(4, 4, 256, PAGE, kv_format=kv_format, index_format=index_format)
+    layer = DSV41Attention(TINY, cache, ratio)
+    got = {name: b.numel() * b.element_size() for name, b in layer.named_buffers()}
+    want = buffer_bytes(TINY, cache, ratio)
+    assert want["total"] == sum(got.values())
+    assert want["swa_cache"] == got["swa_cache"]
+    if ratio:
+        assert want["cmp_cache"] == got["cmp_cache"]
+        assert want["index_cache"] == got.get("indexer.index_cache", 0)

@@ -1,0 +1,52 @@
+"""The layer's buffer memory as a formula of its configuration, without allocating it.
+
+:func:`buffer_bytes` gives the bytes of every buffer of ``DSV41Attention(cfg, cache, ratio)``
+(caches, compressor state, step scratch; not the weights), from the same geometry the layer
+sizes them with. ``tests/test_graphs.py`` checks it against the buffers of real layers.
+"""
+
+from __future__ import annotations
+
+from compile_ops.formats import get_format
+from compile_ops.indexer.cache import INDEX_DIM, get_index_format
+from compile_ops.mla.plan import workspace_bytes
+from graphs.config import AttentionConfig, CacheConfig
+
+FP32 = 4
+
+
+def _compressor_state(cfg: AttentionConfig, cache: CacheConfig, ratio: int, head_dim: int) -> int:
+    """``kv_state`` + ``score_state``: ``2 * (R + 1) * S * head_dim`` fp32, ``S = ratio``
+    (``3 * ratio`` for an overlapping compressor)."""
+    slots = (3 if cfg.overlaps(ratio) else 1) * ratio
+    return 2 * (cache.max_requests + 1) * slots * head_dim * FP32
+
+
+def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="cpu") -> dict[str, int]:
+    """Bytes of each buffer group of the layer (``device`` sizes the split-K workspace).
+
+    * ``swa_cache``: ``swa_num_pages * page_size * bytes_per_token(kv_format)``
+    * ``cmp_cache``: ``cmp_num_pages * block_size * bytes_per_token(kv_format)``
+    * ``index_cache``: ``cmp_num_pages * block_size * (132 fp8 | 256 bf16)``
+    * ``compressor_state``: the compressors' ``(R + 1)``-row fp32 state (main and indexer)
+    * ``step_scratch``: ``topk_ids [max_tokens, K]`` int32, the RoPE tables
+      ``2 * max_seq_len * rope_dim / 2`` fp32, the Hadamard matrix, ``sparse_mla``'s workspace
+    """
+    kv = get_format(cache.kv_format).bytes_per_token
+    out = {"swa_cache": cache.swa_num_pages() * cache.page_size * kv, "cmp_cache": 0, "index_cache": 0,
+           "compressor_state": 0}
+    topk = 0
+    if ratio:
+        entries = cache.cmp_num_pages(ratio) * cache.block_size(ratio)
+        out["cmp_cache"] = entries * kv
+        out["compressor_state"] = _compressor_state(cfg, cache, ratio, cfg.head_dim)
+        topk = cache.max_entries(ratio)
+        if cfg.has_indexer(ratio):
+            out["index_cache"] = entries * get_index_format(cache.index_format).bytes_per_token
+            out["compressor_state"] += _compressor_state(cfg, cache, ratio, INDEX_DIM)
+            topk = min(cfg.index_topk, topk)
+    rotation = INDEX_DIM * INDEX_DIM * 2 if ratio and cfg.has_indexer(ratio) else 0
+    rope = 2 * cache.max_seq_len * (cfg.rope_head_dim // 2) * FP32
+    out["step_scratch"] = cache.max_tokens * topk * 4 + rope + rotation + workspace_bytes(device)
+    out["total"] = sum(out.values())
+    return out
