@@ -205,6 +205,9 @@ class DSV41Attention(nn.Module):
         H, D, bf16 = cfg.n_heads, cfg.head_dim, torch.bfloat16
         self.n_heads, self.head_dim, self.rope_dim = H, D, cfg.rope_head_dim
         self.softmax_scale = D ** -0.5
+        if cache.swa_window is not None and cache.swa_window < cfg.window_size:
+            raise ValueError(f"cache.swa_window ({cache.swa_window}) must be >= the layer's window_size "
+                             f"({cfg.window_size}): the SWA ring would drop positions the window reads")
         self.kv_format, self.kv_scale = cache.kv_format, float(cache.kv_scale)
 
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))

@@ -101,6 +101,12 @@ class CacheConfig:
         kv_scale: per-tensor scale of the ``"fp8"`` format.
         num_pages: pages of each cache (``None``: ``max_requests`` times the pages one
             request needs, plus one spare so block tables can leave page 0 unused).
+        swa_window: the window the SWA cache must hold (at least the layer's
+            ``window_size``), or ``None`` for every position. Set, each request row cycles
+            through ``ceil((swa_window - 1) / page_size) + 1`` pages (its block-table row
+            repeats them), so SWA memory follows the window, not ``max_seq_len``. A step
+            may then write at most ``(ceil((swa_window - 1) / page_size) + 1) * page_size -
+            swa_window + 1`` positions of one request (decode writes one).
     """
 
     max_requests: int
@@ -112,6 +118,7 @@ class CacheConfig:
     kv_scale: float = 1.0
     num_pages: int | None = None
     index_format: str = "fp8"
+    swa_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_requests", "max_tokens", "max_seq_len", "page_size"):
@@ -125,6 +132,9 @@ class CacheConfig:
             )
         get_format(self.kv_format)
         get_index_format(self.index_format)
+        if self.swa_window is not None and (isinstance(self.swa_window, bool) or not isinstance(self.swa_window, int)
+                                            or self.swa_window < 1):
+            raise ValueError(f"swa_window must be None or an int >= 1, got {self.swa_window!r}")
 
     def block_size(self, ratio: int) -> int:
         """Compressed entries per page for compress ratio ``ratio``."""
@@ -143,8 +153,16 @@ class CacheConfig:
             raise ValueError(f"max_seq_len ({self.max_seq_len}) must be >= compress_ratio ({ratio})")
         return ratio
 
-    def swa_pages_per_request(self) -> int:
+    def swa_table_columns(self) -> int:
+        """Columns of an SWA block-table row: one per page of ``max_seq_len`` positions."""
         return -(-self.max_seq_len // self.page_size)
+
+    def swa_pages_per_request(self) -> int:
+        """Distinct SWA pages one request row holds: its window's span (``swa_window``, a
+        ring the table row cycles through), or every page of ``max_seq_len``."""
+        if self.swa_window is None:
+            return self.swa_table_columns()
+        return min(self.swa_table_columns(), -(-(self.swa_window - 1) // self.page_size) + 1)
 
     def cmp_pages_per_request(self, ratio: int) -> int:
         return -(-self.max_entries(ratio) // self.block_size(ratio)) if ratio else 0

@@ -25,7 +25,8 @@ def _compressor_state(cfg: AttentionConfig, cache: CacheConfig, ratio: int, head
 def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="cpu") -> dict[str, int]:
     """Bytes of each buffer group of the layer (``device`` sizes the split-K workspace).
 
-    * ``swa_cache``: ``swa_num_pages * page_size * bytes_per_token(kv_format)``
+    * ``swa_cache``: ``swa_num_pages * page_size * bytes_per_token(kv_format)`` (a ring of
+      ``ceil((swa_window - 1) / page_size) + 1`` pages per row when ``swa_window`` is set)
     * ``cmp_cache``: ``cmp_num_pages * block_size * bytes_per_token(kv_format)``
     * ``index_cache``: ``cmp_num_pages * block_size * (132 fp8 | 256 bf16)``
     * ``compressor_state``: the compressors' ``(R + 1)``-row fp32 state (main and indexer)

@@ -71,16 +71,22 @@ def step_inputs(
 
 
 def default_block_tables(
-    max_requests: int, pages_per_request: int, *, first_page: int = 1, device=None, generator=None
+    max_requests: int, pages_per_request: int, *, first_page: int = 1, device=None, generator=None,
+    columns: Optional[int] = None,
 ) -> Tensor:
-    """A block table ``[R, B]`` int32 giving each request row its own pages.
+    """A block table ``[R, columns]`` int32 giving each request row its own
+    ``pages_per_request`` pages, cycled through when ``columns`` is larger (a ring: column
+    ``j`` holds the row's page ``j % pages_per_request``; default ``columns = pages_per_request``).
 
     Pages ``first_page .. first_page + R*B - 1`` are handed out in order, or in a random
     order when ``generator`` is given (tests use that to make page ids non-contiguous).
     """
     n = max_requests * pages_per_request
     order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
-    return (order + first_page).to(torch.int32).view(max_requests, pages_per_request).to(device)
+    pages = (order + first_page).to(torch.int32).view(max_requests, pages_per_request)
+    if columns is not None and columns != pages_per_request:
+        pages = pages[:, torch.arange(columns) % max(1, pages_per_request)]
+    return pages.contiguous().to(device)
 
 
 class StepMetadata(nn.Module):
@@ -126,7 +132,8 @@ class StepMetadata(nn.Module):
     def for_layer(cls, layer, max_tokens: Optional[int] = None, *, generator=None) -> "StepMetadata":
         """Buffers matching ``layer``'s cache geometry, with :func:`default_block_tables`."""
         cache, ratio, device = layer.cache_cfg, layer.compress_ratio, layer.swa_cache.device
-        swa = default_block_tables(cache.max_requests, cache.swa_pages_per_request(), device=device, generator=generator)
+        swa = default_block_tables(cache.max_requests, cache.swa_pages_per_request(), device=device, generator=generator,
+                                   columns=cache.swa_table_columns())
         cmp = default_block_tables(cache.max_requests, cache.cmp_pages_per_request(ratio), device=device, generator=generator)
         return cls(max_tokens or cache.max_tokens, swa, cmp, cache.page_size, cache.block_size(ratio), ratio)
 

@@ -28,8 +28,8 @@ from graphs.schedule import Schedule, hidden_states, run_schedule, staggered
 PAGE = 4
 
 
-def make_layer(ratio: int, *, max_seq_len: int = 32, seed: int = 0) -> DSV41Attention:
-    cache = CacheConfig(max_requests=4, max_tokens=4, max_seq_len=max_seq_len, page_size=PAGE)
+def make_layer(ratio: int, *, max_seq_len: int = 32, seed: int = 0, swa_window=None) -> DSV41Attention:
+    cache = CacheConfig(max_requests=4, max_tokens=4, max_seq_len=max_seq_len, page_size=PAGE, swa_window=swa_window)
     return DSV41Attention(TINY, cache, ratio, seed=seed)
 
 
@@ -238,3 +238,33 @@ def test_buffer_bytes_formula_equals_the_layers_buffers(ratio, kv_format, index_
     if ratio:
         assert want["cmp_cache"] == got["cmp_cache"]
         assert want["index_cache"] == got.get("indexer.index_cache", 0)
+
+
+@pytest.mark.parametrize("ratio", [0, 2])
+def test_swa_ring_holds_the_window_only(ratio):
+    """``CacheConfig(swa_window=W)``: each request row cycles through the pages its window
+    spans, so the SWA cache is ``R * (ceil((W - 1) / page) + 1) + 1`` pages instead of every
+    page of ``max_seq_len``; a 40-step decode (the ring wraps 3 times) gives exactly the
+    outputs of the full-length cache (same values, other pages) and matches the oracle."""
+    ring_layer = make_layer(ratio, max_seq_len=64, swa_window=TINY.window_size)
+    full_layer = make_layer(ratio, max_seq_len=64)
+    ring = -(-(TINY.window_size - 1) // PAGE) + 1
+    assert ring_layer.swa_cache.shape[0] == 4 * ring + 1 < full_layer.swa_cache.shape[0] == 4 * (64 // PAGE) + 1
+    schedule = staggered(3, 40, stagger=5)
+    xs = hidden_states(schedule, TINY.dim, seed=4)
+    results = []
+    for layer in (ring_layer, full_layer):
+        runner = DecodeRunner(layer, buckets=(1, 2, 4), compile=False, meta=shuffled_meta(layer))
+        with torch.no_grad():
+            results.append(run_schedule(runner.step, schedule, xs, watch=layer.topk_ids if ratio else None))
+    assert ring_layer.swa_cache.shape[0] < full_layer.swa_cache.shape[0]
+    (ring_out, topk), (full_out, _) = results
+    for r, x in enumerate(xs):
+        assert torch.equal(ring_out[r], full_out[r]), f"request {r}"
+        chosen = [[c for c in row if c >= 0] for row in topk[r].tolist()] if ratio else None
+        assert rel_err(ring_out[r], naive_outputs(ring_layer, x, chosen)) < 2e-2, f"request {r} vs oracle"
+
+
+def test_swa_window_below_the_layers_window_is_refused():
+    with pytest.raises(ValueError, match="must be >= the layer's window_size"):
+        make_layer(2, swa_window=TINY.window_size - 1)
