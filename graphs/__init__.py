@@ -1,23 +1,26 @@
-"""The DeepSeek-V4 / V4.1 attention layer on the ``dsv41`` ops, and its decode-step graphs.
+"""The DeepSeek-V4 / V4.1 attention layer on the ``dsv41`` ops, and its step graphs.
 
 * :class:`DSV41Attention` -- the layer (projections, RoPE, SWA cache write, compressor,
   indexer top-k, slot conversion, ``sparse_mla``, grouped output projection); ``forward``
-  is one decode step, graph-safe.
+  is one serving step of any mix of prefill chunks, decode and draft tokens, graph-safe.
 * :class:`StepMetadata` / :class:`StepInputs` / :func:`step_inputs` -- step metadata in
   static buffers.
-* :class:`DecodeStep` / :class:`DecodeRunner` -- the step as one module; compile, capture
-  one CUDA graph per batch-size bucket, pad, replay.
+* :class:`PageAllocator` / :class:`PagePool` -- host-side pages of the caches' pools, as an
+  engine would own them.
+* :class:`LayerStep` / :class:`StepRunner` -- the step as one module; compile, capture one
+  CUDA graph per token bucket, pad, replay; larger steps compiled without a graph.
 * Configs: :class:`AttentionConfig`, :class:`CacheConfig`, presets :data:`V41_FLASH`,
   :data:`V4_FLASH`, :data:`V4_PRO`, :data:`TINY`.
 
-``python -m graphs`` runs the demo / benchmark (see ``docs/graphs.md``).
+``python -m graphs`` runs the main job (see ``docs/graphs.md``).
 """
 
-from graphs.attention import Compressor, DSV41Attention, Indexer, RMSNorm
+from graphs.attention import Compressor, DSV41Attention, Indexer, RMSNorm, StepRows
 from graphs.config import PRESETS, TINY, V4_FLASH, V4_PRO, V41_FLASH, AttentionConfig, CacheConfig
 from graphs.memory import buffer_bytes
-from graphs.metadata import StepInputs, StepMetadata, default_block_tables, step_inputs
-from graphs.runner import DEFAULT_BUCKETS, DecodeRunner, DecodeStep, compiled_call, mark_tokens_dynamic
+from graphs.metadata import StepInputs, StepMetadata, step_inputs
+from graphs.pages import PageAllocator, PagePool
+from graphs.runner import DEFAULT_BUCKETS, LayerStep, StepRunner, compiled_call, mark_tokens_dynamic
 
 __all__ = [
     "AttentionConfig",
@@ -25,20 +28,22 @@ __all__ = [
     "Compressor",
     "DEFAULT_BUCKETS",
     "DSV41Attention",
-    "DecodeRunner",
-    "DecodeStep",
     "Indexer",
+    "LayerStep",
     "PRESETS",
+    "PageAllocator",
+    "PagePool",
     "RMSNorm",
     "StepInputs",
     "StepMetadata",
+    "StepRows",
+    "StepRunner",
     "TINY",
     "V41_FLASH",
     "V4_FLASH",
     "V4_PRO",
     "buffer_bytes",
     "compiled_call",
-    "default_block_tables",
     "mark_tokens_dynamic",
     "step_inputs",
 ]

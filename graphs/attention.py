@@ -1,6 +1,7 @@
-"""The DeepSeek-V4 / V4.1 attention layer on the ``dsv41`` ops, one decode step per call.
+"""The DeepSeek-V4 / V4.1 attention layer on the ``dsv41`` ops, one serving step per call.
 
-Shape legend: ``T`` tokens of the step (one per request), ``H`` query heads, ``R`` request
+A step is any mix of prefill chunks, decode tokens and draft (multi-token) tokens. Shape
+legend: ``T`` tokens of the step, ``H`` query heads, ``R`` request
 rows, ``L`` compressed entries one request can hold (``max_seq_len // ratio``), ``K``
 top-k columns, ``D = 512`` head width (448 NoPE + 64 RoPE dims).
 
@@ -19,7 +20,7 @@ host.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +53,56 @@ def _rope_last(x: Tensor, rope_dim: int, cos: Tensor, sin: Tensor, inverse: bool
     return torch.cat([x[..., :nope], apply_rope(x[..., nope:], cos, sin, inverse)], dim=-1)
 
 
+class StepRows(NamedTuple):
+    """Per-token views of a step that the layer's parts share (all ``[T]``).
+
+    Attributes:
+        pos: int64 position, clamped to ``>= 0`` (padding tokens read position 0).
+        row: int64 request row; ``R`` (the spare state row) for padding tokens.
+        valid: bool, ``False`` for padding tokens.
+        first / last: int64 first and last position of the token's request in this step.
+        n_entries: int32 compressed entries closed at or before the token's position,
+            ``(pos + 1) // ratio`` (``0`` for padding): what the token may attend.
+    """
+
+    pos: Tensor
+    row: Tensor
+    valid: Tensor
+    first: Tensor
+    last: Tensor
+    n_entries: Tensor
+
+
+def step_rows(inp: StepInputs, max_requests: int, max_seq_len: int, ratio: int) -> StepRows:
+    """:class:`StepRows` of a step (graph-safe: scatter reductions over the request rows)."""
+    valid = inp.is_valid
+    pos = inp.positions.long().clamp(min=0)
+    row = torch.where(valid, inp.token_to_req.long(), max_requests)
+    first = torch.full((max_requests + 1,), max_seq_len, dtype=torch.long, device=pos.device)
+    last = torch.full((max_requests + 1,), -1, dtype=torch.long, device=pos.device)
+    first = first.scatter_reduce(0, row, pos, "amin")[row]
+    last = last.scatter_reduce(0, row, pos, "amax")[row]
+    n_entries = torch.where(valid, (pos + 1) // max(ratio, 1), 0).to(torch.int32) if ratio else torch.zeros_like(inp.positions)
+    return StepRows(pos, row, valid, first, last, n_entries)
+
+
+Stats = tuple[Tensor, Tensor, Tensor]
+
+
+def _merge(a: Stats, b: Stats) -> Stats:
+    """Online-softmax merge of two softmax-pooling stats ``(max, sum of exp(score - max),
+    sum of exp(score - max) * kv)``, each ``[..., width]``, per dim; a max of ``-inf`` is
+    an empty stat."""
+    m = torch.maximum(a[0], b[0])
+    base = torch.where(m == float("-inf"), 0.0, m)
+    ea, eb = torch.exp(a[0] - base), torch.exp(b[0] - base)
+    return m, a[1] * ea + b[1] * eb, a[2] * ea + b[2] * eb
+
+
+def _where(cond: Tensor, a: Stats, b: Stats) -> Stats:
+    return tuple(torch.where(cond.unsqueeze(-1), x, y) for x, y in zip(a, b))
+
+
 class Compressor(nn.Module):
     """Softmax-gated pooling of ``ratio`` consecutive tokens into one compressed entry.
 
@@ -63,60 +114,72 @@ class Compressor(nn.Module):
     second half its own, so an entry pools ``2 * ratio`` tokens (the first group has no
     predecessor).
 
-    State between steps: ``kv_state`` / ``score_state`` ``[R + 1, S, head_dim]`` fp32 per
-    request row (row ``R`` absorbs padding tokens). ``S = ratio`` slots of the open group;
-    overlapping: ``S = 3 * ratio`` = previous group's first halves, the open group's first
-    halves, the open group's second halves.
+    A step may hold many tokens of a request (consecutive positions, contiguous in the
+    step): a segmented scan over the step's tokens gives every token the softmax stats
+    (running max, sum of weights, weighted sum) of its group up to itself, so a chunk
+    closes any number of groups at once. Groups that span steps continue from ``state``,
+    ``[3, R + 1, P, width]`` fp32: each request row's prefix stats at its last ``P``
+    positions, in a ring by ``pos % P`` (row ``R`` absorbs padding tokens), ``P =
+    CacheConfig.compressor_ring`` (overlapping: the previous group's first halves too). A
+    step that rewrites rejected positions reads only prefixes of positions before it,
+    which hold accepted tokens, so its entries equal those of a run that never saw the
+    rejected ones (up to fp32 rounding: a chunk merges in another order than single steps).
     """
 
-    def __init__(self, cfg: AttentionConfig, ratio: int, head_dim: int, overlap: bool, rows: int, device=None) -> None:
+    def __init__(self, cfg: AttentionConfig, ratio: int, head_dim: int, overlap: bool, cache: CacheConfig,
+                 device=None) -> None:
         super().__init__()
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
         self.rope_dim = cfg.rope_head_dim
-        width = (2 if overlap else 1) * head_dim
+        self.width = width = (2 if overlap else 1) * head_dim
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32, device=device))
         self.wkv = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device)
         self.wgate = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device)
         self.norm = RMSNorm(head_dim, cfg.norm_eps, device)
-        slots = (3 if overlap else 1) * ratio
-        self.register_buffer("kv_state", torch.zeros(rows + 1, slots, head_dim, device=device), persistent=False)
-        self.register_buffer("score_state", torch.zeros(rows + 1, slots, head_dim, device=device), persistent=False)
+        self.ring = cache.compressor_ring(ratio, overlap)
+        self.register_buffer("state", torch.zeros(3, cache.max_requests + 1, self.ring, width, device=device),
+                             persistent=False)
 
-    def forward(self, x: Tensor, pos: Tensor, row: Tensor, valid: Tensor, cos_table: Tensor, sin_table: Tensor):
-        """One step. ``x [T, dim]``; ``pos`` ``[T]`` int64 clamped to ``>= 0``; ``row [T]``
-        int64 state row (``R`` for padding). Returns ``(entry [T, head_dim]`` in ``x``'s
-        dtype, ``closing [T]`` bool): ``entry[t]`` is meaningful where ``closing[t]``."""
-        r, d = self.ratio, self.head_dim
-        slot = pos % r
+    def forward(self, x: Tensor, rows: StepRows, cos_table: Tensor, sin_table: Tensor):
+        """One step of ``x [T, dim]``. Returns ``(entry [T, head_dim]`` in ``x``'s dtype,
+        ``closing [T]`` bool): ``entry[t]`` is meaningful where ``closing[t]``."""
+        r, d, P, T = self.ratio, self.head_dim, self.ring, x.shape[0]
+        pos, row, valid, first, last = rows.pos, rows.row, rows.valid, rows.first, rows.last
         xf = x.float()
         kv = self.wkv(xf)
-        score = self.wgate(xf) + self.ape[slot]
-        kv_st, sc_st = self.kv_state[row], self.score_state[row]
+        score = self.wgate(xf) + self.ape[pos % r]
+        stats: Stats = (score, torch.ones_like(score), kv)  # each [T, width]: one token's softmax stats
+        t = torch.arange(T, device=x.device)
+        group_start = pos - pos % r
+        # the step's tokens of one group are contiguous: the scan merges t with t - k, k = 1, 2, 4, ...
+        seg_start = t - (pos - torch.maximum(group_start, first))
+        k = 1
+        while k < r:
+            earlier = (t - k).clamp(min=0)
+            stats = _where(t - k >= seg_start, _merge(tuple(s[earlier] for s in stats), stats), stats)
+            k *= 2
+        if P:
+            carried = valid & (group_start < first)  # the group began in an earlier step
+            slot = (first - 1) % P
+            stats = _where(carried, _merge(tuple(s[row, slot] for s in self.state), stats), stats)
         closing = valid & ((pos + 1) % r == 0)
-        if not self.overlap:
-            hit = (torch.arange(r, device=x.device) == slot.unsqueeze(1)).unsqueeze(-1)
-            kv_st = torch.where(hit, kv.unsqueeze(1), kv_st)
-            sc_st = torch.where(hit, score.unsqueeze(1), sc_st)
-            pooled = (kv_st * sc_st.softmax(dim=1)).sum(dim=1)
-            new_kv, new_sc = kv_st, sc_st
+        if self.overlap:
+            # the previous group's first halves: the prefix at its closing position pos - r
+            prev_pos = pos - r
+            earlier, slot = (t - r).clamp(min=0), prev_pos % P
+            prev = _where(prev_pos >= first, tuple(s[earlier, :d] for s in stats),
+                          tuple(s[row, slot, :d] for s in self.state))
+            empty = (torch.full_like(prev[0], float("-inf")), torch.zeros_like(prev[1]), torch.zeros_like(prev[2]))
+            pooled = _merge(_where(prev_pos < 0, empty, prev), tuple(s[:, d:] for s in stats))
         else:
-            cols = torch.arange(3 * r, device=x.device)
-            hit_a = (cols == (r + slot).unsqueeze(1)).unsqueeze(-1)
-            hit_b = (cols == (2 * r + slot).unsqueeze(1)).unsqueeze(-1)
-            kv_st = torch.where(hit_a, kv[:, None, :d], torch.where(hit_b, kv[:, None, d:], kv_st))
-            sc_st = torch.where(hit_a, score[:, None, :d], torch.where(hit_b, score[:, None, d:], sc_st))
-            first_group = (pos < r).view(-1, 1, 1)
-            window_kv = torch.cat([kv_st[:, :r], kv_st[:, 2 * r :]], dim=1)
-            window_sc = torch.cat([sc_st[:, :r].masked_fill(first_group, float("-inf")), sc_st[:, 2 * r :]], dim=1)
-            pooled = (window_kv * window_sc.softmax(dim=1)).sum(dim=1)
-            shift = closing.view(-1, 1, 1)  # the open group's first halves feed the next entry
-            new_kv = torch.cat([torch.where(shift, kv_st[:, r : 2 * r], kv_st[:, :r]), kv_st[:, r:]], dim=1)
-            new_sc = torch.cat([torch.where(shift, sc_st[:, r : 2 * r], sc_st[:, :r]), sc_st[:, r:]], dim=1)
-        self.kv_state.index_put_((row,), new_kv)
-        self.score_state.index_put_((row,), new_sc)
-        entry = self.norm(pooled.to(x.dtype))
-        first = (pos + 1 - r).clamp(min=0)
-        entry = _rope_last(entry, self.rope_dim, cos_table[first], sin_table[first])
+            pooled = stats
+        if P:
+            keep = valid & (pos > last - P)  # the last P positions of each request
+            at = (torch.where(keep, row, self.state.shape[1] - 1), pos % P)
+            for buf, value in zip(self.state, stats):
+                buf.index_put_(at, value)
+        entry = self.norm((pooled[2] / pooled[1]).to(x.dtype))
+        entry = _rope_last(entry, self.rope_dim, cos_table[group_start], sin_table[group_start])
         return entry, closing
 
 
@@ -151,27 +214,28 @@ class Indexer(nn.Module):
         self.index_format = cache.index_format
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=torch.bfloat16, device=device)
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=torch.bfloat16, device=device)
-        self.compressor = Compressor(cfg, ratio, self.head_dim, cfg.overlaps(ratio), cache.max_requests, device)
+        self.compressor = Compressor(cfg, ratio, self.head_dim, cfg.overlaps(ratio), cache, device)
         keys = new_index_cache(cache.index_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
         self.register_buffer("index_cache", keys, persistent=False)
         self.register_buffer("rotation", hadamard(self.head_dim, device).to(torch.bfloat16), persistent=False)
 
-    def forward(self, x, qr, pos, row, valid, n_entries, cos, sin, cos_table, sin_table, inp: StepInputs) -> Tensor:
-        """Top-k request-local entry ids ``[T, K]`` int32 (``-1`` padded)."""
+    def forward(self, x, qr, rows: "StepRows", cos, sin, cos_table, sin_table, inp: StepInputs) -> Tensor:
+        """Top-k request-local entry ids ``[T, K]`` int32 (``-1`` padded), each token over
+        its own ``rows.n_entries``."""
         T = x.shape[0]
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
         q = _rope_last(q, self.rope_dim, cos, sin) @ self.rotation
-        key, _ = self.compressor(x, pos, row, valid, cos_table, sin_table)
+        key, _ = self.compressor(x, rows, cos_table, sin_table)
         # written where the compressed entry of the same group is (inp.cmp_slots, -1 if none)
         torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key.to(torch.bfloat16) @ self.rotation,
                                          self.index_format)
         weights = self.weights_proj(x).float() * (self.head_dim * self.n_heads) ** -0.5
         return torch.ops.dsv41.indexer_topk(q.contiguous(), weights, self.index_cache, inp.cmp_block_table,
-                                            inp.token_to_req, n_entries.to(torch.int32), self.topk, self.index_format)
+                                            inp.token_to_req, rows.n_entries, self.topk, self.index_format)
 
 
 class DSV41Attention(nn.Module):
-    """DeepSeek-V4 / V4.1 sparse-MLA attention layer; ``forward`` is one decode step.
+    """DeepSeek-V4 / V4.1 sparse-MLA attention layer; ``forward`` is one serving step.
 
     Args:
         cfg: model dimensions (:data:`graphs.V41_FLASH`, :data:`graphs.TINY`, ...).
@@ -182,7 +246,7 @@ class DSV41Attention(nn.Module):
 
     Buffers: ``swa_cache`` (paged by position) and ``cmp_cache`` (paged by compressed
     entry), both ``[pages, page_size, row_width]`` in ``cache.kv_format``;
-    ``compressor.{kv,score}_state``; ``indexer.index_cache``; ``topk_ids [max_tokens, K]``
+    ``compressor.state`` and ``indexer.compressor.state``; ``indexer.index_cache``; ``topk_ids [max_tokens, K]``
     (the last step's request-local compressed ids); ``rope_cos`` / ``rope_sin``.
 
     Example::
@@ -205,9 +269,6 @@ class DSV41Attention(nn.Module):
         H, D, bf16 = cfg.n_heads, cfg.head_dim, torch.bfloat16
         self.n_heads, self.head_dim, self.rope_dim = H, D, cfg.rope_head_dim
         self.softmax_scale = D ** -0.5
-        if cache.swa_window is not None and cache.swa_window < cfg.window_size:
-            raise ValueError(f"cache.swa_window ({cache.swa_window}) must be >= the layer's window_size "
-                             f"({cfg.window_size}): the SWA ring would drop positions the window reads")
         self.kv_format, self.kv_scale = cache.kv_format, float(cache.kv_scale)
 
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))
@@ -218,7 +279,7 @@ class DSV41Attention(nn.Module):
         self.kv_norm = RMSNorm(D, cfg.norm_eps, device)
         self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=bf16, device=device)
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False, dtype=bf16, device=device)
-        self.compressor = Compressor(cfg, ratio, D, cfg.overlaps(ratio), cache.max_requests, device) if ratio else None
+        self.compressor = Compressor(cfg, ratio, D, cfg.overlaps(ratio), cache, device) if ratio else None
         self.indexer = Indexer(cfg, cache, ratio, device) if cfg.has_indexer(ratio) else None
 
         if ratio:  # compressed layers use the compress theta with YaRN, SWA-only layers neither
@@ -230,7 +291,8 @@ class DSV41Attention(nn.Module):
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.register_buffer(
-            "swa_cache", new_cache(cache.kv_format, cache.swa_num_pages(), cache.page_size, device=device), persistent=False
+            "swa_cache", new_cache(cache.kv_format, cache.swa_num_pages(cfg.window_size), cache.page_size, device=device),
+            persistent=False
         )
         if ratio:
             cmp_cache = new_cache(cache.kv_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
@@ -268,20 +330,27 @@ class DSV41Attention(nn.Module):
             if not name.startswith("rope_"):
                 buf.fill_(-1 if name == "topk_ids" else 0)
 
-    def step_inputs(self, positions, token_to_req, seq_lens, swa_block_table, cmp_block_table) -> StepInputs:
+    def step_inputs(self, positions, token_to_req, swa_block_table, cmp_block_table) -> StepInputs:
         """:func:`graphs.step_inputs` with this layer's page sizes and ratio."""
         c = self.cache_cfg
-        return step_inputs(positions, token_to_req, seq_lens, swa_block_table, cmp_block_table, c.page_size,
+        return step_inputs(positions, token_to_req, swa_block_table, cmp_block_table, c.page_size,
                            c.block_size(self.compress_ratio), self.compress_ratio)
 
     def forward(self, x: Tensor, inp: StepInputs) -> Tensor:
-        """One decode step: ``x [T, dim]`` bf16 -> ``[T, dim]`` bf16 (rows of padding
-        tokens hold garbage). Writes this step's kv (and closed compressed entries) into
-        the caches before attending, so a token sees itself."""
+        """One step of ``T`` tokens: ``x [T, dim]`` bf16 -> ``[T, dim]`` bf16 (rows of
+        padding tokens hold garbage).
+
+        Any mix of prefill chunks, decode tokens and draft tokens: each request's tokens
+        are contiguous in the step at consecutive positions (``inp`` says which), and each
+        token is causal on its own (its window ends at its position, it sees the entries
+        closed at or before it). The step writes its kv, closed compressed entries and
+        index keys before attending, so a token sees itself and the earlier tokens of its
+        chunk.
+        """
         T, H, D, rd = x.shape[0], self.n_heads, self.head_dim, self.rope_dim
-        valid = inp.is_valid
-        pos = inp.positions.long().clamp(min=0)
-        row = torch.where(valid, inp.token_to_req.long(), self.cache_cfg.max_requests)
+        cache = self.cache_cfg
+        rows = step_rows(inp, cache.max_requests, cache.max_seq_len, self.compress_ratio)
+        valid, pos = rows.valid, rows.pos
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
 
         qr = self.q_norm(self.wq_a(x))
@@ -298,14 +367,13 @@ class DSV41Attention(nn.Module):
         cmp_lens: Optional[Tensor] = None
         if self.compress_ratio:
             ratio = self.compress_ratio
-            entry, _ = self.compressor(x, pos, row, valid, self.rope_cos, self.rope_sin)
+            entry, _ = self.compressor(x, rows, self.rope_cos, self.rope_sin)
             torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.kv_format, self.kv_scale)
-            n_entries = torch.where(valid, inp.seq_lens // ratio, 0)
             if self.indexer is not None:
-                topk = self.indexer(x, qr, pos, row, valid, n_entries, cos, sin, self.rope_cos, self.rope_sin, inp)
+                topk = self.indexer(x, qr, rows, cos, sin, self.rope_cos, self.rope_sin, inp)
             else:
                 ids = torch.arange(self.topk, device=x.device, dtype=torch.int32)
-                topk = torch.where(ids < n_entries.unsqueeze(1), ids, -1)
+                topk = torch.where(ids < rows.n_entries.unsqueeze(1), ids, -1)
             self.topk_ids[:T].copy_(topk)
             cmp_idx, cmp_lens = torch.ops.dsv41.topk_to_slots(
                 self.topk_ids[:T], inp.token_to_req, inp.cmp_block_table, self.cache_cfg.block_size(ratio), valid

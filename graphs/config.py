@@ -83,30 +83,32 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Serving geometry of one layer's caches and step buffers.
+    """Serving geometry of one layer's caches, pools and step buffers.
 
     Args:
         max_requests: request rows ``R`` (rows of the block tables and of the compressor
             state).
-        max_tokens: largest step (the largest CUDA-graph bucket), one token per request.
-        max_seq_len: longest sequence; sizes the RoPE tables, the block tables and the
-            indexer's block tables.
+        max_tokens: largest step in tokens (prefill chunks, decode and draft tokens of all
+            its requests together); sizes the step buffers.
+        max_seq_len: longest sequence; sizes the block tables' columns and the RoPE tables.
         page_size: tokens per page of the SWA cache.
-        cmp_block_size: compressed entries per page of the compressed cache
+        cmp_block_size: compressed entries per page of the compressed and index-key caches
             (``None``: ``max(1, page_size // ratio)``, i.e. a page covers ``page_size``
             tokens).
-        kv_format: format of both caches (``compile_ops.formats``).
+        kv_format: format of both KV caches (``compile_ops.formats``).
+        kv_scale: per-tensor scale of the ``"fp8"`` format.
         index_format: format of the indexer's paged index-key cache, ``"fp8"`` (132 B per
             entry, e4m3 products) or ``"bf16"`` (``compile_ops.indexer.cache``).
-        kv_scale: per-tensor scale of the ``"fp8"`` format.
-        num_pages: pages of each cache (``None``: ``max_requests`` times the pages one
-            request needs, plus one spare so block tables can leave page 0 unused).
-        swa_window: the window the SWA cache must hold (at least the layer's
-            ``window_size``), or ``None`` for every position. Set, each request row cycles
-            through ``ceil((swa_window - 1) / page_size) + 1`` pages (its block-table row
-            repeats them), so SWA memory follows the window, not ``max_seq_len``. A step
-            may then write at most ``(ceil((swa_window - 1) / page_size) + 1) * page_size -
-            swa_window + 1`` positions of one request (decode writes one).
+        max_rewind: how far a step may go back into positions its request already wrote
+            (rejected draft tokens): a step of a request may start at any position from
+            ``high + 1 - max_rewind`` to ``length``, where ``high`` is the highest position
+            the request has written and ``length`` its accepted tokens. Sizes the
+            compressor's state ring and the SWA pages a request keeps.
+        swa_pages: pages of the SWA pool (``None``: :meth:`default_swa_pages`, enough for
+            every request row to hold its window and the largest step to add its tokens).
+        cmp_pages: pages of the compressed pool, shared by the index-key cache (``None``:
+            every request row at ``max_seq_len``). Size it to the tokens the engine holds
+            at once; :class:`graphs.PageAllocator` raises when it runs out.
     """
 
     max_requests: int
@@ -116,25 +118,20 @@ class CacheConfig:
     cmp_block_size: int | None = None
     kv_format: str = "bf16"
     kv_scale: float = 1.0
-    num_pages: int | None = None
     index_format: str = "fp8"
-    swa_window: int | None = None
+    max_rewind: int = 4
+    swa_pages: int | None = None
+    cmp_pages: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_requests", "max_tokens", "max_seq_len", "page_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.max_tokens > self.max_requests:
-            raise ValueError(
-                f"max_tokens ({self.max_tokens}) must be <= max_requests ({self.max_requests}): "
-                "a decode step holds one token per request"
-            )
+            _check_int(name, getattr(self, name), 1)
+        _check_int("max_rewind", self.max_rewind, 0)
+        for name in ("cmp_block_size", "swa_pages", "cmp_pages"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
         get_format(self.kv_format)
         get_index_format(self.index_format)
-        if self.swa_window is not None and (isinstance(self.swa_window, bool) or not isinstance(self.swa_window, int)
-                                            or self.swa_window < 1):
-            raise ValueError(f"swa_window must be None or an int >= 1, got {self.swa_window!r}")
 
     def block_size(self, ratio: int) -> int:
         """Compressed entries per page for compress ratio ``ratio``."""
@@ -153,27 +150,52 @@ class CacheConfig:
             raise ValueError(f"max_seq_len ({self.max_seq_len}) must be >= compress_ratio ({ratio})")
         return ratio
 
+    def compressor_ring(self, ratio: int, overlap: bool) -> int:
+        """Positions per request row of a compressor's state ring: a step reads the prefix
+        stats of the position before it (overlapping: of the ``ratio`` positions before it)
+        after rewinding up to ``max_rewind``, so ``max_rewind + 1`` (overlapping: ``ratio +
+        max_rewind``); ``0`` for ratio 1 without overlap, whose entries are single tokens."""
+        if ratio <= 1 and not overlap:
+            return 0
+        return (ratio if overlap else 1) + self.max_rewind
+
     def swa_table_columns(self) -> int:
         """Columns of an SWA block-table row: one per page of ``max_seq_len`` positions."""
         return -(-self.max_seq_len // self.page_size)
 
-    def swa_pages_per_request(self) -> int:
-        """Distinct SWA pages one request row holds: its window's span (``swa_window``, a
-        ring the table row cycles through), or every page of ``max_seq_len``."""
-        if self.swa_window is None:
-            return self.swa_table_columns()
-        return min(self.swa_table_columns(), -(-(self.swa_window - 1) // self.page_size) + 1)
+    def swa_keep(self, window: int) -> int:
+        """Positions below its highest written one that a request's SWA pages must keep
+        between steps: what the window of a next step reads when it starts ``max_rewind``
+        positions back, ``max(0, window - 2 + max_rewind)``."""
+        return max(0, window - 2 + self.max_rewind)
+
+    def swa_pages_between_steps(self, window: int) -> int:
+        """SWA pages a request holds between its steps: ``ceil(swa_keep / page_size) + 1``
+        (at most ``swa_table_columns``)."""
+        return min(self.swa_table_columns(), -(-self.swa_keep(window) // self.page_size) + 1)
+
+    def default_swa_pages(self, window: int) -> int:
+        """SWA pool for every row between steps plus the largest step's new pages:
+        ``R * swa_pages_between_steps + ceil(max_tokens / page_size) + min(R, max_tokens)``."""
+        step = -(-self.max_tokens // self.page_size) + min(self.max_requests, self.max_tokens)
+        return self.max_requests * self.swa_pages_between_steps(window) + step
+
+    def swa_num_pages(self, window: int) -> int:
+        return self.swa_pages if self.swa_pages is not None else self.default_swa_pages(window)
 
     def cmp_pages_per_request(self, ratio: int) -> int:
+        """Compressed pages a request at ``max_seq_len`` holds (its block-table columns)."""
         return -(-self.max_entries(ratio) // self.block_size(ratio)) if ratio else 0
-
-    def swa_num_pages(self) -> int:
-        return self.num_pages or self.max_requests * self.swa_pages_per_request() + 1
 
     def cmp_num_pages(self, ratio: int) -> int:
         if not ratio:
             return 0
-        return self.num_pages or self.max_requests * self.cmp_pages_per_request(ratio) + 1
+        return self.cmp_pages if self.cmp_pages is not None else self.max_requests * self.cmp_pages_per_request(ratio)
+
+
+def _check_int(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
 V41_FLASH = AttentionConfig(

@@ -16,25 +16,26 @@ FP32 = 4
 
 
 def _compressor_state(cfg: AttentionConfig, cache: CacheConfig, ratio: int, head_dim: int) -> int:
-    """``kv_state`` + ``score_state``: ``2 * (R + 1) * S * head_dim`` fp32, ``S = ratio``
-    (``3 * ratio`` for an overlapping compressor)."""
-    slots = (3 if cfg.overlaps(ratio) else 1) * ratio
-    return 2 * (cache.max_requests + 1) * slots * head_dim * FP32
+    """``state``: ``(R + 1) * P * 3 * width`` fp32, ``P = max_rewind + 1`` (overlapping:
+    ``ratio + max_rewind``, ``width = 2 * head_dim``; ratio 1: no state)."""
+    overlap = cfg.overlaps(ratio)
+    ring = cache.compressor_ring(ratio, overlap)
+    return (cache.max_requests + 1) * ring * 3 * (2 if overlap else 1) * head_dim * FP32
 
 
 def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="cpu") -> dict[str, int]:
     """Bytes of each buffer group of the layer (``device`` sizes the split-K workspace).
 
-    * ``swa_cache``: ``swa_num_pages * page_size * bytes_per_token(kv_format)`` (a ring of
-      ``ceil((swa_window - 1) / page_size) + 1`` pages per row when ``swa_window`` is set)
-    * ``cmp_cache``: ``cmp_num_pages * block_size * bytes_per_token(kv_format)``
-    * ``index_cache``: ``cmp_num_pages * block_size * (132 fp8 | 256 bf16)``
-    * ``compressor_state``: the compressors' ``(R + 1)``-row fp32 state (main and indexer)
+    * ``swa_cache``: ``swa_pages * page_size * bytes_per_token(kv_format)``, the pool
+      (default ``CacheConfig.default_swa_pages``: every row's window plus one step)
+    * ``cmp_cache``: ``cmp_pages * block_size * bytes_per_token(kv_format)``
+    * ``index_cache``: ``cmp_pages * block_size * (132 fp8 | 256 bf16)``
+    * ``compressor_state``: the compressors' ``(R + 1)``-row fp32 state rings (main and indexer)
     * ``step_scratch``: ``topk_ids [max_tokens, K]`` int32, the RoPE tables
       ``2 * max_seq_len * rope_dim / 2`` fp32, the Hadamard matrix, ``sparse_mla``'s workspace
     """
     kv = get_format(cache.kv_format).bytes_per_token
-    out = {"swa_cache": cache.swa_num_pages() * cache.page_size * kv, "cmp_cache": 0, "index_cache": 0,
+    out = {"swa_cache": cache.swa_num_pages(cfg.window_size) * cache.page_size * kv, "cmp_cache": 0, "index_cache": 0,
            "compressor_state": 0}
     topk = 0
     if ratio:

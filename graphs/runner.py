@@ -1,15 +1,18 @@
-"""Decode-step capture and replay: one CUDA graph per batch-size bucket.
+"""Step capture and replay: one CUDA graph per token bucket, larger steps compiled.
 
-:class:`DecodeStep` is the whole step as a module: it reads its :class:`StepMetadata`
+:class:`LayerStep` is the whole step as a module: it reads its :class:`StepMetadata`
 buffers, derives the slot mappings and runs the layer, so the only runtime input is the
-hidden states ``x [T, dim]``. :class:`DecodeRunner` compiles it with
-``torch.compile(fullgraph=True)``, captures one ``torch.cuda.CUDAGraph`` per bucket
-(largest first, one shared memory pool) and replays: a batch of ``n`` tokens is padded to
-the smallest bucket ``>= n`` with padding rows (position ``-1``: no cache or state writes,
-empty attention rows).
+hidden states ``x [T, dim]``. :class:`StepRunner` compiles it with
+``torch.compile(fullgraph=True)`` (one graph, dynamic ``T``), captures one
+``torch.cuda.CUDAGraph`` per token bucket (largest first, one shared memory pool) and
+serves every step kind through them: a step of ``n`` tokens (any mix of prefill chunks,
+decode and draft tokens) replays the smallest bucket ``>= n``, padded with padding rows
+(position ``-1``: no cache or state writes, empty attention rows); a step larger than
+every bucket runs the compiled step at its own ``T``, without a graph. Its
+:class:`PageAllocator` checks each step and gives requests their pages on the host.
 
-``torch.compile(DecodeStep(layer, meta), mode="reduce-overhead")`` is the other way to
-get graphs: buffers are static inputs, so Inductor's CUDA-graph trees record the same step.
+``torch.compile(LayerStep(layer, meta), mode="reduce-overhead")`` is the other way to get
+graphs: buffers are static inputs, so Inductor's CUDA-graph trees record the same step.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from torch import Tensor, nn
 
 from graphs.attention import DSV41Attention
 from graphs.metadata import StepMetadata
+from graphs.pages import PageAllocator
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-class DecodeStep(nn.Module):
-    """``forward(x [T, dim]) -> [T, dim]``: one decode step of ``layer`` on ``meta``'s
-    first ``T`` columns (``T`` from ``x.shape[0]``)."""
+class LayerStep(nn.Module):
+    """``forward(x [T, dim]) -> [T, dim]``: one step of ``layer`` on ``meta``'s first
+    ``T`` columns (``T`` from ``x.shape[0]``)."""
 
     def __init__(self, layer: DSV41Attention, meta: StepMetadata) -> None:
         super().__init__()
@@ -64,31 +68,33 @@ def compiled_call(fn: Callable, x: Tensor) -> Tensor:
         return fn(mark_tokens_dynamic(x))
 
 
-class DecodeRunner:
-    """Compile, capture and replay ``layer``'s decode step per batch-size bucket.
+class StepRunner:
+    """Compile, capture and replay ``layer``'s step per token bucket; run larger steps compiled.
 
     Args:
         layer: the attention layer (its caches are mutated by every valid step).
-        buckets: step sizes to capture; a step of ``n`` tokens runs the smallest bucket
-            ``>= n``. Largest bucket <= ``layer.cache_cfg.max_tokens``.
-        meta: step buffers (default: :meth:`StepMetadata.for_layer`).
+        buckets: step sizes (tokens) to capture as CUDA graphs; a step of ``n`` tokens runs
+            the smallest bucket ``>= n``, a larger one (up to ``max_tokens``) runs without a
+            graph at its own size. Largest bucket <= ``layer.cache_cfg.max_tokens``.
+        pages: the host-side page allocator (default: :meth:`PageAllocator.for_layer`).
         compile: ``torch.compile(fullgraph=True)`` the step (``False``: run it eagerly,
             still padded and, on CUDA, still captured).
         backend: ``torch.compile`` backend (``"inductor"``).
         cuda_graphs: capture graphs (default: when the layer is on CUDA).
 
-    ``step()`` returns a view into the bucket's static output, valid until the next step.
+    ``step()`` returns a view into a static output, valid until the next step.
 
     Example::
 
         >>> import torch
-        >>> from graphs import CacheConfig, DecodeRunner, DSV41Attention, TINY
-        >>> layer = DSV41Attention(TINY, CacheConfig(4, 4, 32, 4), compress_ratio=2)
-        >>> runner = DecodeRunner(layer, buckets=(2, 4), compile=False)
-        >>> x = torch.randn(3, TINY.dim, dtype=torch.bfloat16)
+        >>> from graphs import CacheConfig, StepRunner, DSV41Attention, TINY
+        >>> layer = DSV41Attention(TINY, CacheConfig(4, 8, 32, 4), compress_ratio=2)
+        >>> runner = StepRunner(layer, buckets=(2, 4), compile=False)
         >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
-        >>> runner.step(x, i32(0, 0, 0), i32(0, 1, 2)).shape
-        torch.Size([3, 64])
+        >>> runner.step(torch.randn(6, TINY.dim, dtype=torch.bfloat16), i32(0, 1, 2, 3, 4, 0), i32(0, 0, 0, 0, 0, 1)).shape
+        torch.Size([6, 64])
+        >>> runner.step(torch.randn(2, TINY.dim, dtype=torch.bfloat16), i32(5, 1), i32(0, 1)).shape  # decode
+        torch.Size([2, 64])
     """
 
     def __init__(
@@ -96,36 +102,50 @@ class DecodeRunner:
         layer: DSV41Attention,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         *,
-        meta: Optional[StepMetadata] = None,
+        pages: Optional[PageAllocator] = None,
         compile: bool = True,
         backend: str | Callable = "inductor",
         cuda_graphs: Optional[bool] = None,
     ) -> None:
-        self.buckets = sorted(set(int(b) for b in buckets))
-        if not self.buckets or self.buckets[0] < 1 or self.buckets[-1] > layer.cache_cfg.max_tokens:
-            raise ValueError(f"buckets must be in [1, max_tokens={layer.cache_cfg.max_tokens}], got {list(buckets)}")
+        max_tokens = layer.cache_cfg.max_tokens
+        self.buckets = sorted(set(int(b) for b in buckets if b <= max_tokens))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"buckets must hold sizes in [1, max_tokens={max_tokens}], got {list(buckets)}")
         self.layer = layer
-        self.meta = meta if meta is not None else StepMetadata.for_layer(layer, self.buckets[-1])
-        self.module = DecodeStep(layer, self.meta)
+        self.meta = StepMetadata.for_layer(layer)
+        self.pages = pages if pages is not None else PageAllocator.for_layer(layer)
+        self.module = LayerStep(layer, self.meta)
         self.compiled = compile
         self.fn = torch.compile(self.module, fullgraph=True, backend=backend) if compile else self.module
         device = layer.swa_cache.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.x = torch.zeros(self.buckets[-1], layer.cfg.dim, dtype=torch.bfloat16, device=device)
+        self.x = torch.zeros(max_tokens, layer.cfg.dim, dtype=torch.bfloat16, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.captures = 0
+        self._traced = False
 
     def bucket_for(self, n: int) -> int:
+        """The captured size a step of ``n`` tokens runs at (``n`` itself past the largest)."""
+        max_tokens = self.layer.cache_cfg.max_tokens
+        if not 1 <= n <= max_tokens:
+            raise ValueError(f"a step must have 1..{max_tokens} tokens (CacheConfig.max_tokens), got {n}")
         i = bisect.bisect_left(self.buckets, n)
-        if n < 1 or i == len(self.buckets):
-            raise ValueError(f"a step must have 1..{self.buckets[-1]} tokens (the largest bucket), got {n}")
-        return self.buckets[i]
+        return self.buckets[i] if i < len(self.buckets) else n
 
-    def run(self, bucket: int) -> Tensor:
-        """Run the (compiled) step on the first ``bucket`` rows of the static input."""
-        x = self.x[:bucket]
+    def run(self, size: int) -> Tensor:
+        """Run the (compiled) step on the first ``size`` rows of the static input."""
+        x = self.x[:size]
         return compiled_call(self.fn, x) if self.compiled else self.fn(x)
+
+    def _trace_once(self) -> None:
+        """Trace the compiled step first at size 1, on all-padding metadata (it writes
+        nothing a valid token reads): traced at a larger size, Dynamo guards ``T >= 2`` and
+        size 1 would compile a second graph."""
+        if self.compiled and not self._traced:
+            self.meta.ints[0].fill_(-1)
+            self.run(1)
+            self._traced = True
 
     @torch.no_grad()
     def capture(self, warmup: int = 2) -> None:
@@ -136,6 +156,7 @@ class DecodeRunner:
         """
         if not self.cuda_graphs:
             raise RuntimeError("capture() needs a CUDA layer (cuda_graphs=True)")
+        self._trace_once()
         self.meta.ints[0].fill_(-1)
         pool = None
         stream = torch.cuda.Stream()
@@ -156,26 +177,44 @@ class DecodeRunner:
         torch.cuda.synchronize()
 
     @torch.no_grad()
-    def step(
-        self,
-        x: Tensor,
-        positions: Tensor,
-        token_to_req: Tensor,
-        seq_lens: Optional[Tensor] = None,
-        *,
-        swa_block_table: Optional[Tensor] = None,
-        cmp_block_table: Optional[Tensor] = None,
-    ) -> Tensor:
-        """One decode step of ``n = x.shape[0]`` tokens: copy inputs into the static
-        buffers, replay the bucket's graph (or run the compiled step), return ``[n, dim]``."""
+    def step(self, x: Tensor, positions: Tensor | Sequence[int], token_to_req: Tensor | Sequence[int]) -> Tensor:
+        """One step of ``n = x.shape[0]`` tokens; returns ``[n, dim]``.
+
+        ``positions`` / ``token_to_req`` are the step's ``[n]`` host integers (what the
+        engine's scheduler has): the page allocator checks and plans them on the host, then
+        they are copied into the static buffers and the bucket's graph replays (or the
+        compiled step runs). Each request's tokens are contiguous, at consecutive positions,
+        continuing at its length or rewinding at most ``max_rewind`` positions.
+        """
+        positions, token_to_req = _host_ints(positions, "positions"), _host_ints(token_to_req, "token_to_req")
         n = x.shape[0]
-        bucket = self.bucket_for(n)
-        self.meta.update(positions, token_to_req, seq_lens, swa_block_table=swa_block_table,
-                         cmp_block_table=cmp_block_table, bucket=bucket)
+        if positions.shape != (n,):
+            raise ValueError(f"positions must be [n] = [{n}] like x's tokens, got {tuple(positions.shape)}")
+        size = self.bucket_for(n)
+        self._trace_once()
+        self.pages.plan(positions, token_to_req)
+        self.meta.apply_pages(*self.pages.take_changes())
+        self.meta.update(positions, token_to_req, bucket=size)
         self.x[:n].copy_(x, non_blocking=True)
-        if self.cuda_graphs:
-            if bucket not in self.graphs:
-                raise RuntimeError(f"bucket {bucket} was not captured; call capture() first")
-            self.graphs[bucket].replay()
-            return self.outputs[bucket][:n]
-        return self.run(bucket)[:n]
+        if self.cuda_graphs and size in self.buckets:
+            if size not in self.graphs:
+                raise RuntimeError(f"bucket {size} was not captured; call capture() first")
+            self.graphs[size].replay()
+            out = self.outputs[size][:n]
+        else:
+            out = self.run(size)[:n]
+        self.pages.trim()
+        return out
+
+    def release(self, row: int) -> None:
+        """A request finished: give its pages back (:meth:`PageAllocator.release`)."""
+        self.pages.release(row)
+
+
+def _host_ints(values, name: str) -> Tensor:
+    if isinstance(values, Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be host (CPU) integers: the page allocator plans each step on the host "
+                             f"(got a {values.device.type} tensor)")
+        return values.to(torch.int32)
+    return torch.tensor(list(values), dtype=torch.int32)

@@ -1,0 +1,213 @@
+"""Host-side page allocation for one layer's caches: what an engine owns, outside the graph.
+
+The layer's caches are pools of pages (``CacheConfig.swa_pages`` / ``cmp_pages``). A
+:class:`PageAllocator` hands each request row the pages its steps write and read, as its
+positions advance, and gives SWA pages back once they fall out of every later step's
+window, so a request holds about ``(window + max_rewind) / page_size + 1`` SWA pages
+between steps whatever its length, and compressed / index-key pages for the entries it
+has. It works on host integers only; its block-table changes reach the device through
+:meth:`graphs.StepMetadata.apply_pages` before the step runs.
+
+It also checks each step's layout (the contract the graph cannot check without a host
+sync): the tokens of one request are contiguous in the step at consecutive positions, a
+step continues at the request's length or rewinds at most ``max_rewind`` positions, and
+nothing passes ``max_seq_len``.
+
+Example::
+
+    >>> import torch
+    >>> from graphs import CacheConfig, PageAllocator, TINY
+    >>> pages = PageAllocator(CacheConfig(2, 8, 64, 4), ratio=2, window=TINY.window_size)
+    >>> pages.plan(torch.tensor([0, 1, 2, 0], dtype=torch.int32), torch.tensor([0, 0, 0, 1], dtype=torch.int32))
+    >>> pages.length, pages.swa_table[0, :2].tolist()
+    ([3, 1], [0, -1])
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from graphs.config import CacheConfig
+from graphs.metadata import PageChanges
+
+
+class PagePool:
+    """Free page ids ``0 .. num_pages - 1`` of one cache (taken in a random order when
+    ``generator`` is given, so tests see non-contiguous pages)."""
+
+    def __init__(self, num_pages: int, name: str, generator: Optional[torch.Generator] = None) -> None:
+        order = torch.randperm(num_pages, generator=generator) if generator is not None else torch.arange(num_pages)
+        self.num_pages, self.name = num_pages, name
+        self._free = order.flip(0).tolist()  # taken from the end: page order[0] first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"the {self.name} pool's {self.num_pages} pages are all in use: size it larger "
+                               f"(CacheConfig.{self.name}_pages) or release finished requests")
+        return self._free.pop()
+
+    def give(self, page: int) -> None:
+        self._free.append(page)
+
+
+class PageAllocator:
+    """Pages and positions of every request row of one layer (host side).
+
+    Args:
+        cache: the layer's geometry (pools, page sizes, ``max_rewind``).
+        ratio: the layer's compress ratio (0: no compressed pages).
+        window: the layer's SWA window (``AttentionConfig.window_size``).
+        generator: hand pages out in a random order.
+
+    Attributes:
+        swa_table / cmp_table: host mirrors ``[R, Bs]`` / ``[R, Bc]`` int32 of the block
+            tables (``-1`` = no page).
+        length: accepted tokens of each row (where its next step continues).
+        high: highest position each row has written (``-1``: none).
+    """
+
+    def __init__(self, cache: CacheConfig, ratio: int, window: int, *,
+                 generator: Optional[torch.Generator] = None) -> None:
+        R = cache.max_requests
+        self.cache, self.ratio, self.window = cache, ratio, window
+        self.swa_table = torch.full((R, cache.swa_table_columns()), -1, dtype=torch.int32)
+        self.cmp_table = torch.full((R, cache.cmp_pages_per_request(ratio)), -1, dtype=torch.int32)
+        self.swa_pool = PagePool(cache.swa_num_pages(window), "swa", generator)
+        self.cmp_pool = PagePool(cache.cmp_num_pages(ratio), "cmp", generator)
+        self.length = [0] * R
+        self.high = [-1] * R
+        self._swa_low = [0] * R  # lowest SWA column a row may still hold
+        self._cmp_columns = [0] * R  # compressed columns given (a prefix of the row)
+        self._changes: dict[str, list[tuple[int, int, int]]] = {"swa": [], "cmp": []}
+        self._touched: list[int] = []
+
+    @classmethod
+    def for_layer(cls, layer, *, generator: Optional[torch.Generator] = None) -> "PageAllocator":
+        return cls(layer.cache_cfg, layer.compress_ratio, layer.cfg.window_size, generator=generator)
+
+    def runs(self, positions: Sequence[int] | Tensor, token_to_req: Sequence[int] | Tensor) -> list[tuple[int, int, int]]:
+        """The step's ``(row, first position, tokens)`` per request, after checking its layout."""
+        pos, req = torch.as_tensor(positions).long().flatten(), torch.as_tensor(token_to_req).long().flatten()
+        if pos.shape != req.shape:
+            raise ValueError(f"positions and token_to_req differ in length ({pos.numel()} vs {req.numel()})")
+        R, n = len(self.length), pos.numel()
+        bad = ((req < 0) | (req >= R)).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"token {i}: request row {int(req[i])} is outside [0, {R})")
+        starts = torch.ones(n, dtype=torch.bool)
+        starts[1:] = req[1:] != req[:-1]
+        first = starts.nonzero().flatten()
+        counts = torch.diff(first, append=torch.tensor([n]))
+        rows, p0 = req[first], pos[first]
+        expected = p0.repeat_interleave(counts) + torch.arange(n) - first.repeat_interleave(counts)
+        bad = (pos != expected).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"token {i}: request {int(req[i])}'s tokens must be at consecutive positions "
+                             f"({int(expected[i])} expected, got {int(pos[i])})")
+        if rows.unique().numel() != rows.numel():
+            raise ValueError("each request's tokens must be contiguous in the step (a request appears in two runs)")
+        runs = list(zip(rows.tolist(), p0.tolist(), counts.tolist()))
+        for r, p0, n in runs:
+            if p0 < 0 or p0 + n > self.cache.max_seq_len:
+                raise ValueError(f"request {r}: positions {p0}..{p0 + n - 1} outside [0, max_seq_len="
+                                 f"{self.cache.max_seq_len})")
+            if p0 > self.length[r]:
+                raise ValueError(f"request {r} has {self.length[r]} tokens: a step cannot start at position {p0}")
+            if p0 < self.high[r] + 1 - self.cache.max_rewind:
+                raise ValueError(f"request {r} wrote up to position {self.high[r]}: a step may rewind at most "
+                                 f"max_rewind={self.cache.max_rewind} positions, so start at >= "
+                                 f"{self.high[r] + 1 - self.cache.max_rewind}, not {p0}")
+        return runs
+
+    def plan(self, positions: Sequence[int] | Tensor, token_to_req: Sequence[int] | Tensor) -> None:
+        """Check a step (host ``[n]`` integers) and give its requests the pages it writes
+        and reads; the block-table changes wait in :meth:`take_changes`. Raises
+        ``ValueError`` for a bad layout (nothing changed) and ``RuntimeError`` when a pool
+        runs out (the pages given so far stay given)."""
+        runs = self.runs(positions, token_to_req)
+        for r, p0, n in runs:
+            self._give_run(r, max(0, p0 - self.window + 1), p0 + n)
+        self._touched = [r for r, _, _ in runs]
+
+    def grow(self, row: int, length: int) -> None:
+        """Give ``row`` the pages of a request that already holds ``length`` tokens (SWA:
+        the positions its next step may read) and set its length, as if steps had written
+        them: for benchmarks and tests that fill the caches directly."""
+        if not 0 <= row < len(self.length) or not 0 <= length <= self.cache.max_seq_len:
+            raise ValueError(f"need a row in [0, {len(self.length)}) and a length in [0, {self.cache.max_seq_len}], "
+                             f"got row {row}, length {length}")
+        if self.length[row] or self.high[row] >= 0:
+            raise ValueError(f"row {row} already holds a request: release() it first")
+        low = max(0, length - 1 - self.cache.swa_keep(self.window))
+        self._give_run(row, low, length)
+        self._swa_low[row] = low // self.cache.page_size
+
+    def _give_run(self, r: int, swa_from: int, end: int) -> None:
+        ps, block = self.cache.page_size, self.cache.block_size(self.ratio)
+        for col in range(swa_from // ps, (end - 1) // ps + 1):
+            self._give(r, col, "swa")
+        if self.ratio:
+            while self._cmp_columns[r] < -(-(end // self.ratio) // block):
+                self._give(r, self._cmp_columns[r], "cmp")
+                self._cmp_columns[r] += 1
+        self.length[r] = end
+        self.high[r] = max(self.high[r], end - 1)
+
+    def trim(self) -> None:
+        """Give back the SWA pages of the last planned step's requests that no later step
+        reads (call it once that step is launched: later work reuses them in stream order)."""
+        keep = self.cache.swa_keep(self.window)
+        for r in self._touched:
+            low = max(0, self.high[r] - keep) // self.cache.page_size
+            for col in range(self._swa_low[r], low):
+                self._free(r, col, "swa")
+            self._swa_low[r] = max(self._swa_low[r], low)
+        self._touched = []
+
+    def release(self, row: int) -> None:
+        """A finished request: give back all its pages; the row starts over at position 0."""
+        for kind, table in (("swa", self.swa_table), ("cmp", self.cmp_table)):
+            for col in (table[row] >= 0).nonzero().flatten().tolist():
+                self._free(row, col, kind)
+        self.length[row], self.high[row], self._swa_low[row], self._cmp_columns[row] = 0, -1, 0, 0
+
+    def take_changes(self) -> tuple[Optional[PageChanges], Optional[PageChanges]]:
+        """``(swa, cmp)`` block-table changes since the last call, for
+        :meth:`graphs.StepMetadata.apply_pages` (``None`` where nothing changed)."""
+        out = []
+        for kind in ("swa", "cmp"):
+            changes = self._changes[kind]
+            out.append(tuple(torch.tensor(v, dtype=torch.int32) for v in zip(*changes)) if changes else None)
+            self._changes[kind] = []
+        return out[0], out[1]
+
+    def pages_held(self) -> tuple[int, int]:
+        """``(SWA, compressed)`` pages in use."""
+        return (self.swa_pool.num_pages - self.swa_pool.num_free, self.cmp_pool.num_pages - self.cmp_pool.num_free)
+
+    def _table(self, kind: str):
+        return (self.swa_table, self.swa_pool) if kind == "swa" else (self.cmp_table, self.cmp_pool)
+
+    def _give(self, row: int, col: int, kind: str) -> None:
+        table, pool = self._table(kind)
+        if table[row, col] < 0:
+            page = pool.take()
+            table[row, col] = page
+            self._changes[kind].append((row, col, page))
+
+    def _free(self, row: int, col: int, kind: str) -> None:
+        table, pool = self._table(kind)
+        page = int(table[row, col])
+        if page >= 0:
+            pool.give(page)
+            table[row, col] = -1
+            self._changes[kind].append((row, col, -1))
