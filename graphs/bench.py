@@ -1,110 +1,53 @@
-"""Measurement helpers for ``python -m graphs``: layer setups, timers, the per-batch table.
+"""Measurement helpers for ``python -m graphs``: layer setups, timers, floors, tables.
 
-Three ways to run one decode step of ``b`` tokens are timed side by side:
+Decode steps of ``b`` tokens are timed four ways side by side:
 
-* ``eager``: the layer in eager mode (``DecodeRunner(compile=False, cuda_graphs=False)``),
+* ``eager``: the layer in eager mode (``StepRunner(compile=False, cuda_graphs=False)``),
   wall clock per step including Python and launch overhead -- what an engine without
   graphs pays.
 * ``compiled``: the Inductor-compiled step called directly, no graph.
-* ``step``: :meth:`DecodeRunner.step` -- copy the step's inputs into the static buffers and
-  replay the bucket's CUDA graph (wall clock); ``replay``: the graph replay alone (CUDA
-  events); ``kernels``: the sum of the GPU times of the kernels one replay runs
-  (``torch.profiler``), the floor a graph can reach.
+* ``step``: :meth:`StepRunner.step` -- plan pages on the host, copy the step's inputs into
+  the static buffers and replay the bucket's CUDA graph (wall clock); ``replay``: the graph
+  replay alone (CUDA events); ``kernels``: the sum of the GPU times of the kernels one
+  replay runs (``torch.profiler``), the floor a graph can reach.
 
-:func:`agreement` is the job's verdict: the compiled decode against the eager one, token by
-token, within :data:`REL_TOL`.
+Larger steps (prefill chunks past the largest bucket) run compiled without a graph:
+:func:`time_large_steps` splits their cost into host time (until the call returns, the
+work enqueued) and GPU time (CUDA events). Floors: :func:`decode_floor_us` (bytes read
+once at the copy bandwidth) and :func:`step_flops` (the matrix work at the bf16 rate).
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
 import compile_ops
-from compile_ops.indexer.cache import INDEX_DIM
+from compile_ops.formats import get_format
+from compile_ops.indexer.cache import INDEX_DIM, get_index_format
 from graphs.attention import DSV41Attention
 from graphs.config import V41_FLASH, AttentionConfig, CacheConfig
-from graphs.runner import DecodeRunner
+from graphs.runner import StepRunner
 
-# A compiled token's output may differ from the eager one's by this much of the eager
-# decode's largest |y|: bf16 rounding in other fusions and summation orders.
-REL_TOL = 2e-2
-# The compiled and eager indexers score in bf16 through different kernels, so where two
-# entries' scores nearly tie at the top-k boundary they may keep different ones. A token
-# whose picks differ in at most this many entries is such a near-tie: its output (which
-# attends other entries) is not compared. More is a failure.
-MAX_TIE_SWAPS = 2
+# the H200's measured copy bandwidth and dense bf16 matrix rate (docs/performance.md)
+COPY_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 790e12
 
 
-@dataclass(frozen=True)
-class Agreement:
-    """How a decode agrees with a reference decode of the same schedule, token by token.
-
-    ``tokens``: tokens compared; ``tie_tokens``: tokens whose indexer top-k differ in at
-    most :data:`MAX_TIE_SWAPS` entries (near-ties: outputs not compared);
-    ``pick_mismatches``: tokens whose top-k differ in more; ``max_abs_diff`` /
-    ``max_rel_diff``: the largest output difference over the other tokens, absolute and
-    relative to the reference's largest ``|y|``.
-    """
-
-    tokens: int
-    tie_tokens: int
-    pick_mismatches: int
-    max_abs_diff: float
-    max_rel_diff: float
-
-    @property
-    def passed(self) -> bool:
-        return self.pick_mismatches == 0 and self.max_rel_diff <= REL_TOL
-
-    def verdict(self) -> str:
-        ties = f", {self.tie_tokens} near-tie token(s) left out" if self.tie_tokens else ""
-        picks = f", {self.pick_mismatches} token(s) with other top-k picks" if self.pick_mismatches else ""
-        return (f"{'PASS' if self.passed else 'FAIL'}: {self.tokens} tokens, largest difference "
-                f"{self.max_abs_diff:.3g} = {self.max_rel_diff:.2e} of max |y| (tolerance {REL_TOL:g}){ties}{picks}")
-
-
-def agreement(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor],
-              got_ids: Optional[Sequence[torch.Tensor]] = None,
-              want_ids: Optional[Sequence[torch.Tensor]] = None) -> Agreement:
-    """Compare per-request outputs ``got[r]`` with ``want[r]`` (``[n_r, dim]``), skipping
-    near-ties of the top-k ids ``*_ids[r]`` (``[n_r, K]`` int32, ``-1`` padded; ``None``
-    for a layer without indexer)."""
-    scale = max((w.float().abs().max().item() for w in want if w.numel()), default=0.0) or 1.0
-    tokens = ties = mismatches = 0
-    diff = 0.0
-    for r, (g, w) in enumerate(zip(got, want)):
-        token_diff = (g.float() - w.float()).abs().amax(dim=-1) if g.numel() else g.new_zeros(0)
-        swaps = torch.zeros(len(token_diff), dtype=torch.long)
-        if got_ids is not None:
-            for t, (a, b) in enumerate(zip(got_ids[r].tolist(), want_ids[r].tolist())):
-                swaps[t] = max(len(set(a) - set(b)), len(set(b) - set(a)))
-        tokens += len(token_diff)
-        ties += int(((swaps > 0) & (swaps <= MAX_TIE_SWAPS)).sum())
-        mismatches += int((swaps > MAX_TIE_SWAPS).sum())
-        same = (swaps == 0).to(token_diff.device)
-        if same.any():
-            diff = max(diff, token_diff[same].max().item())
-    return Agreement(tokens, ties, mismatches, diff, diff / scale)
-
-
-def flash_cache(*, max_requests: int = 256, max_seq_len: int = 2048, page_size: int = 64,
-                kv_format: str = "bf16") -> CacheConfig:
+def flash_cache(*, max_requests: int = 256, max_seq_len: int = 2048, page_size: int = 64, kv_format: str = "bf16",
+                max_tokens: int = 512, **pools) -> CacheConfig:
     """The serving geometry of :func:`flash_layer`."""
-    return CacheConfig(max_requests=max_requests, max_tokens=max_requests, max_seq_len=max_seq_len,
-                       page_size=page_size, kv_format=kv_format)
+    return CacheConfig(max_requests=max_requests, max_tokens=max_tokens, max_seq_len=max_seq_len,
+                       page_size=page_size, kv_format=kv_format, **pools)
 
 
-def flash_layer(ratio: int, device, *, cfg: AttentionConfig = V41_FLASH, max_requests: int = 256,
-                max_seq_len: int = 2048, page_size: int = 64, kv_format: str = "bf16", seed: int = 0) -> DSV41Attention:
+def flash_layer(ratio: int, device, *, cfg: AttentionConfig = V41_FLASH, seed: int = 0, **cache) -> DSV41Attention:
     """The V4.1-Flash layer the GPU tests and the benchmark share (identical shapes, so a
     second process finds Inductor's compiled graph in its on-disk cache)."""
-    cache = flash_cache(max_requests=max_requests, max_seq_len=max_seq_len, page_size=page_size, kv_format=kv_format)
-    return DSV41Attention(cfg, cache, ratio, device=device, seed=seed)
+    return DSV41Attention(cfg, flash_cache(**cache), ratio, device=device, seed=seed)
 
 
 @torch.no_grad()
@@ -119,8 +62,19 @@ def fill_random(layer: DSV41Attention, seed: int = 0) -> None:
     if layer.indexer is not None:  # quantized like real keys: random bytes would not be
         keys = layer.indexer.index_cache
         n = keys.shape[0] * keys.shape[1]
-        compile_ops.write_index_keys(keys, torch.arange(n, device=keys.device),
-                                     torch.randn(n, INDEX_DIM, device=keys.device, generator=gen), layer.indexer.index_format)
+        for start in range(0, n, 1 << 20):
+            slots = torch.arange(start, min(n, start + (1 << 20)), device=keys.device)
+            compile_ops.write_index_keys(keys, slots, torch.randn(slots.numel(), INDEX_DIM, device=keys.device,
+                                                                  generator=gen), layer.indexer.index_format)
+
+
+def grow_rows(runner: StepRunner, rows, length: int) -> None:
+    """Give request rows ``rows`` the pages of ``length`` tokens (released first), as if
+    steps had written them, and copy the tables in."""
+    for r in rows:
+        runner.release(r)
+        runner.pages.grow(r, length)
+    runner.meta.apply_pages(*runner.pages.take_changes())
 
 
 def _sync(device) -> None:
@@ -172,26 +126,22 @@ def kernel_time(fn: Callable[[], object], iters: int = 5, top: Optional[list] = 
     return sum(e.self_device_time_total for e in kernels) / iters
 
 
-def decode_inputs(batch: int, position: int, dim: int, device, seed: int = 0):
-    """A step of ``batch`` requests (rows ``0..batch-1``), all at ``position``."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, dim, generator=gen).to(torch.bfloat16).to(device)
-    positions = torch.full((batch,), position, dtype=torch.int32, device=device)
-    rows = torch.arange(batch, dtype=torch.int32, device=device)
-    return x, positions, rows
-
-
 @torch.no_grad()
-def time_batches(runner: DecodeRunner, eager: DecodeRunner, batches, position: int, *, iters: int = 20,
+def time_batches(runner: StepRunner, eager: StepRunner, batches, position: int, *, iters: int = 20,
                  replay_iters: int = 100, profile_batches=(), deadline: Optional[float] = None) -> list[dict]:
-    """One row per batch size: microseconds of eager / compiled / step / replay / kernels."""
+    """One row per batch size ``b`` (rows ``0..b-1`` decoding at ``position``):
+    microseconds of eager / compiled / step / replay / kernels."""
     device = runner.layer.swa_cache.device
     cuda = device.type == "cuda"
     rows = []
     for b in batches:
         if deadline is not None and time.perf_counter() > deadline:
             break
-        x, positions, req = decode_inputs(b, position, runner.layer.cfg.dim, device)
+        for r in (runner, eager):
+            grow_rows(r, range(b), position)
+        gen = torch.Generator().manual_seed(b)
+        x = torch.randn(b, runner.layer.cfg.dim, generator=gen).to(torch.bfloat16).to(device)
+        positions, req = torch.full((b,), position, dtype=torch.int32), torch.arange(b, dtype=torch.int32)
         bucket = runner.bucket_for(b)
         row = {"batch": b, "bucket": bucket}
         row["eager_us"] = time_host(lambda: eager.step(x, positions, req), device, max(5, iters // 2))
@@ -217,9 +167,123 @@ def time_batches(runner: DecodeRunner, eager: DecodeRunner, batches, position: i
     return rows
 
 
-def eager_twin(layer: DSV41Attention, buckets) -> DecodeRunner:
+def weight_bytes(layer: DSV41Attention) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+def decode_floor_us(layer: DSV41Attention, batch: int, context: int) -> dict:
+    """The byte floor of a decode step of ``batch`` requests at ``context`` tokens: the
+    weights, each request's index keys and attention rows (window + top-k) read once at
+    the copy bandwidth."""
+    c, r = layer.cache_cfg, layer.compress_ratio
+    row = get_format(c.kv_format).bytes_per_token
+    entries = context // r if r else 0
+    keys = batch * entries * get_index_format(c.index_format).bytes_per_token if layer.indexer is not None else 0
+    attended = batch * (layer.cfg.window_size + min(layer.topk, entries)) * row
+    parts = {"weights": weight_bytes(layer), "index_keys": keys, "attention_rows": attended}
+    return {"bytes": parts, "floor_us": sum(parts.values()) / COPY_BYTES_PER_S * 1e6}
+
+
+def step_flops(layer: DSV41Attention, tokens: int, n_entries_sum: int) -> float:
+    """Matrix FLOPs of a step of ``tokens`` tokens whose indexer scores ``n_entries_sum``
+    entries in all: ``2 * in * out`` per token per linear, attention ``4 * H * 512`` per
+    attended row (window + top-k), the indexer ``2 * Hi * 128`` per scored entry."""
+    linear = sum(p.numel() for n, p in layer.named_parameters() if n.endswith(".weight") and p.dim() == 2)
+    attended = layer.cfg.window_size + layer.topk
+    flops = 2 * linear * tokens + 4 * layer.n_heads * layer.head_dim * attended * tokens
+    if layer.indexer is not None:
+        flops += 2 * layer.indexer.n_heads * layer.indexer.head_dim * n_entries_sum
+    return float(flops)
+
+
+@torch.no_grad()
+def time_prefill(runner: StepRunner, prompt: int, chunk: int, row: int = 0) -> dict:
+    """A ``prompt``-token prefill of request row ``row`` in chunks of ``chunk`` tokens
+    (steps past the largest bucket run compiled, without a graph): wall time, tokens/s and
+    the share of the bf16 matrix rate its FLOPs reach."""
+    layer, device = runner.layer, runner.layer.swa_cache.device
+    gen = torch.Generator().manual_seed(prompt)
+    x = torch.randn(chunk, layer.cfg.dim, generator=gen).to(torch.bfloat16).to(device)
+    ratio = max(layer.compress_ratio, 1)
+
+    def run():
+        runner.release(row)
+        for p in range(0, prompt, chunk):
+            n = min(chunk, prompt - p)
+            runner.step(x[:n], torch.arange(p, p + n, dtype=torch.int32), torch.full((n,), row, dtype=torch.int32))
+
+    run()  # warm-up (compiles the chunk sizes)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    entries = sum((p + 1) // ratio for p in range(prompt)) if layer.compress_ratio else 0
+    flops = step_flops(layer, prompt, entries)
+    runner.release(row)
+    return {"prompt": prompt, "chunk": chunk, "ms": round(seconds * 1e3, 2), "tokens_per_s": round(prompt / seconds),
+            "tflops": round(flops / seconds / 1e12, 1), "pct_of_bf16_rate": round(100 * flops / seconds / BF16_FLOPS_PER_S, 1)}
+
+
+@torch.no_grad()
+def time_large_steps(runner: StepRunner, sizes, iters: int = 5) -> list[dict]:
+    """Compiled steps of ``n`` tokens (one request's prefill chunk at position 0) without a
+    graph: host microseconds until the call returns (the work enqueued) and GPU
+    microseconds (CUDA events) per step."""
+    layer, device = runner.layer, runner.layer.swa_cache.device
+    out = []
+    for n in sizes:
+        x = torch.randn(n, layer.cfg.dim, device=device).to(torch.bfloat16)
+        positions, rows = torch.arange(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+
+        def call():
+            runner.release(0)
+            runner.step(x, positions, rows)
+
+        call()
+        torch.cuda.synchronize()
+        host, begin, end = 0.0, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        gpu = 0.0
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            begin.record()
+            t = time.perf_counter()
+            call()
+            host += time.perf_counter() - t
+            end.record()
+            torch.cuda.synchronize()
+            gpu += begin.elapsed_time(end) * 1e3
+        out.append({"tokens": n, "graph": n in runner.graphs, "host_us": round(host / iters * 1e6, 1),
+                    "gpu_us": round(gpu / iters, 1)})
+    runner.release(0)
+    return out
+
+
+@torch.no_grad()
+def capacity_replays(cfg: AttentionConfig, ratio: int, device, *, batch: int = 64, context: int = 1024,
+                     capacities=(4096, 1 << 20), iters: int = 200) -> list[dict]:
+    """Decode replay of ``batch`` requests at ``context`` tokens in layers whose
+    ``max_seq_len`` is each of ``capacities`` (fp8 caches, pools for every row at
+    ``max_seq_len``): cost must follow the content, not the capacity. The steps
+    are eager-captured graphs (no compile: the comparison is of one kernel set)."""
+    out = []
+    for cap in capacities:
+        cache = CacheConfig(batch, batch, cap, 64, kv_format="fp8_dsv41")  # pools: every row at max_seq_len
+        layer = DSV41Attention(cfg, cache, ratio, device=device)
+        runner = StepRunner(layer, (batch,), compile=False)
+        runner.capture(warmup=1)
+        grow_rows(runner, range(batch), context)
+        runner.meta.update(torch.full((batch,), context, dtype=torch.int32), torch.arange(batch, dtype=torch.int32),
+                           bucket=batch)
+        out.append({"max_seq_len": cap, "replay_us": round(time_replay(runner.graphs[batch], iters), 1)})
+        del runner, layer
+        torch.cuda.empty_cache()
+    return out
+
+
+def eager_twin(layer: DSV41Attention, buckets) -> StepRunner:
     """An eager runner over a deep copy of ``layer`` (same weights and state)."""
-    return DecodeRunner(copy.deepcopy(layer), buckets=buckets, compile=False, cuda_graphs=False)
+    return StepRunner(copy.deepcopy(layer), buckets=buckets, compile=False, cuda_graphs=False)
 
 
 def plot(results: dict, path: str, title: str) -> None:
@@ -238,7 +302,7 @@ def plot(results: dict, path: str, title: str) -> None:
                 ax.plot(batches, [r[key] for r in rows], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("batch (tokens per decode step)")
+        ax.set_xlabel("batch (requests, one token each)")
         ax.set_ylabel("microseconds per step")
         ax.set_title(label)
         ax.grid(True, which="both", alpha=0.3)

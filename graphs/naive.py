@@ -1,13 +1,15 @@
 """Plain-torch meaning of :class:`graphs.DSV41Attention` for one request, from full history.
 
 No caches, pages, slots, state buffers or padding: every quantity is recomputed from all
-of the request's hidden states in fp32, the way a prefill would see it. Tests run the
-decode module step by step and compare each step's output with :func:`naive_outputs`;
-the indexer's choice is checked against :func:`naive_index_scores`.
+of the request's hidden states in fp32, the way a prefill would see it. Tests and the main
+job run the layer over any steps and compare every token's output with
+:func:`naive_outputs` and the indexer's choice with :func:`naive_index_scores`;
+:func:`oracle_verdict` does both.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -112,3 +114,61 @@ def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[S
     wo_a = layer.wo_a.weight.float().view(G, cfg.o_lora_rank, -1)
     o = torch.einsum("sgd,grd->sgr", o.view(S, G, -1), wo_a).reshape(S, -1)
     return o @ layer.wo_b.weight.float().t()
+
+
+# A layer's output may differ from the oracle's by this much of the oracle's largest |y|:
+# bf16 activations and bf16 / fp8 cache rows.
+REL_TOL = 2e-2
+# An index score of the layer is off by at most this much of its magnitude bound
+# (naive_index_scores(magnitude=True)): e4m3 q and keys, 2**-4 each, plus the bf16
+# rotation, 2**-8 each (fp8); the bf16 rotation and keys (bf16).
+SCORE_ROUNDING = {"fp8": 0.15, "bf16": 2**-6}
+
+
+@dataclass(frozen=True)
+class OracleVerdict:
+    """How a run of the layer agrees with the full-history oracle.
+
+    ``tokens``: tokens compared; ``max_rel_diff``: the largest output difference relative
+    to the oracle's largest ``|y|`` (given the layer's own top-k picks); ``pick_errors``:
+    tokens whose picks are not the oracle's top-k up to :data:`SCORE_ROUNDING` (a left-out
+    entry scores surely higher than a picked one, or the count is wrong).
+    """
+
+    tokens: int
+    max_rel_diff: float
+    pick_errors: int
+
+    @property
+    def passed(self) -> bool:
+        return self.pick_errors == 0 and self.max_rel_diff <= REL_TOL
+
+    def verdict(self) -> str:
+        picks = f", {self.pick_errors} token(s) with top-k picks the oracle's scores rule out" if self.pick_errors else ""
+        return (f"{'PASS' if self.passed else 'FAIL'}: {self.tokens} tokens against the full-history oracle, largest "
+                f"difference {self.max_rel_diff:.2e} of max |y| (tolerance {REL_TOL:g}){picks}")
+
+
+def oracle_verdict(layer: DSV41Attention, xs: Sequence[Tensor], outs: Sequence[Tensor],
+                   topk: Optional[Sequence[Tensor]] = None) -> OracleVerdict:
+    """Compare each request's outputs ``outs[q] [n_q, dim]`` (its hidden states ``xs[q]``,
+    positions ``0 .. n_q - 1``) and, for a compressed layer, its top-k ids ``topk[q] [n_q,
+    K]`` (``-1`` padded) with the oracle."""
+    ratio, tokens, worst, errors = layer.compress_ratio, 0, 0.0, 0
+    for q, x in enumerate(xs):
+        chosen = [[c for c in row if c >= 0] for row in topk[q].tolist()] if ratio else None
+        want = naive_outputs(layer, x, chosen)
+        tokens += want.shape[0]
+        worst = max(worst, ((outs[q].float() - want).abs().max() / want.abs().max()).item())
+        if layer.indexer is None:
+            continue
+        scores = naive_index_scores(layer, x)
+        bound = naive_index_scores(layer, x, magnitude=True) * SCORE_ROUNDING[layer.indexer.index_format]
+        for p, ids in enumerate(chosen):
+            existing = (p + 1) // ratio
+            left_out = sorted(set(range(existing)) - set(ids))
+            ok = len(ids) == min(existing, layer.indexer.topk) and len(set(ids)) == len(ids)
+            if ok and left_out:
+                ok = bool((scores[p, left_out] - bound[p, left_out]).max() <= (scores[p, ids] + bound[p, ids]).min())
+            errors += not ok
+    return OracleVerdict(tokens, worst, errors)

@@ -1,7 +1,7 @@
 """The attention layer's decode step as an AOTInductor package (``.pt2``).
 
 :class:`EngineStep` is the step with an engine's inputs: ``forward(x [T, dim] bf16,
-positions [T], token_to_req [T], seq_lens [T], swa_block_table [R, Bs], cmp_block_table
+positions [T], token_to_req [T], swa_block_table [R, Bs], cmp_block_table
 [R, Bc]) -> [T, dim] bf16`` (int32 metadata, ``-1`` positions for padding rows). The layer's
 weights, KV caches, compressor state and index keys are its buffers: the package holds them
 and every call updates them in place, like the eager layer. :func:`export_step` runs
@@ -42,9 +42,9 @@ class EngineStep(nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, x: Tensor, positions: Tensor, token_to_req: Tensor, seq_lens: Tensor,
-                swa_block_table: Tensor, cmp_block_table: Tensor) -> Tensor:
-        inp = self.layer.step_inputs(positions, token_to_req, seq_lens, swa_block_table, cmp_block_table)
+    def forward(self, x: Tensor, positions: Tensor, token_to_req: Tensor, swa_block_table: Tensor,
+                cmp_block_table: Tensor) -> Tensor:
+        inp = self.layer.step_inputs(positions, token_to_req, swa_block_table, cmp_block_table)
         return self.layer(x, inp)
 
 
@@ -57,7 +57,7 @@ def example_inputs(layer: DSV41Attention, num_tokens: int, meta: Optional[StepMe
     positions = torch.zeros(T, dtype=torch.int32, device=device)
     rows = torch.arange(T, dtype=torch.int32, device=device)
     x = torch.randn(T, layer.cfg.dim, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).to(device)
-    return x, positions, rows, positions + 1, meta.swa_block_table, meta.cmp_block_table
+    return x, positions, rows, meta.swa_block_table, meta.cmp_block_table
 
 
 def export_step(layer: DSV41Attention, num_tokens: int = 2, *, dynamic: bool = True,
@@ -68,7 +68,7 @@ def export_step(layer: DSV41Attention, num_tokens: int = 2, *, dynamic: bool = T
     shapes = None
     if dynamic:
         T = Dim("T", min=1, max=layer.cache_cfg.max_tokens)
-        shapes = ({0: T}, {0: T}, {0: T}, {0: T}, None, None)
+        shapes = ({0: T}, {0: T}, {0: T}, None, None)
     with torch.no_grad():
         return torch.export.export(EngineStep(layer), args, dynamic_shapes=shapes)
 

@@ -25,7 +25,7 @@ trace with :func:`inline_triton` ``(False)`` to keep the ops opaque and choose a
 Example (CUDA)::
 
     import lowering                       # installs the rules (idempotent)
-    step = torch.compile(DecodeStep(layer, meta), fullgraph=True)
+    step = torch.compile(LayerStep(layer, meta), fullgraph=True)
     step(x)                               # sparse_mla / slots kernels are in Inductor's code
     with lowering.inductor.inline_triton(False):
         torch.compile(fn)(x)              # traced now: the ops stay extern calls

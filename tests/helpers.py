@@ -33,3 +33,16 @@ def make_indices(T, width, n_slots, device="cpu", gen=None, holes=True):
     if T > 1:
         lens[0] = 0
     return idx, lens
+
+
+def grown_meta(layer, rows: int, length: int):
+    """Step buffers of ``layer`` whose block tables give request rows ``0 .. rows-1`` the
+    pages of ``length`` tokens (for tests that call the layer with their own positions)."""
+    from graphs import PageAllocator, StepMetadata
+
+    meta = StepMetadata.for_layer(layer)
+    pages = PageAllocator.for_layer(layer)
+    for r in range(rows):
+        pages.grow(r, length)
+    meta.apply_pages(*pages.take_changes())
+    return meta

@@ -12,7 +12,7 @@ import torch
 import graphs.__main__ as graphs_main
 from compile_ops import selfcheck
 from compile_ops.bench import __main__ as bench_main
-from graphs.bench import MAX_TIE_SWAPS, REL_TOL, agreement
+from graphs.naive import REL_TOL, OracleVerdict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,9 +32,9 @@ def exits(main, argv):
     (["--backend", "triton", "--device", "cpu"], "backend 'triton' cannot run sparse_mla on cpu"),
     (["--backend", "cudnn", "--device", "cpu"], "'auto' or one of"),
     (["--ratios", "3", "--device", "cpu"], "compress_ratio must be one of tiny's"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--decode", "0"], "--decode must be >= 1"),
     (["--device", "gpu"], "device"),
-], ids=["kv-format", "backend-off-device", "backend-unknown", "ratio", "steps", "device-name"])
+], ids=["kv-format", "backend-off-device", "backend-unknown", "ratio", "decode", "device-name"])
 def test_graphs_rejects_bad_arguments_before_any_work(argv, says, capsys):
     status, seconds = exits(graphs_main.main, argv)
     assert status == 2 and seconds < 5
@@ -55,7 +55,7 @@ def test_cuda_without_cuda_is_an_argument_error(main, argv, capsys):
 def test_graphs_ratio_128_runs_on_the_cpu(capsys):
     """The CPU layer is made long enough for every ratio it is asked for (ratio 128 once
     failed after minutes of other layers' work)."""
-    status, _ = exits(graphs_main.main, ["--device", "cpu", "--ratios", "128", "--steps", "4", "--requests", "2"])
+    status, _ = exits(graphs_main.main, ["--device", "cpu", "--ratios", "128", "--decode", "4", "--requests", "2"])
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "compress_ratio=128" in printed and "PASS: every layer" in printed
@@ -80,41 +80,22 @@ def test_bench_dispatcher(argv, status, says, capsys):
     assert says in out.out + out.err
 
 
-def ids(*rows):
-    return torch.tensor(rows, dtype=torch.int32)
-
-
-def test_agreement_leaves_out_near_ties_and_fails_otherwise():
-    want = [torch.ones(3, 4), torch.ones(1, 4)]
-    picks = [ids([0, 1, 2], [0, 1, 2], [3, 4, -1]), ids([5, 6, 7])]
-    same = agreement([w.clone() for w in want], want, picks, picks)
-    assert same.passed and same.tokens == 4 and same.tie_tokens == 0 and same.max_rel_diff == 0
-
-    got = [w.clone() for w in want]
-    got[0][1] += 10.0  # token 1 of request 0 differs a lot, and picked one other entry
-    tie = [ids([0, 1, 2], [0, 1, 9], [3, 4, -1]), ids([5, 6, 7])]
-    verdict = agreement(got, want, tie, picks)
-    assert verdict.passed and verdict.tie_tokens == 1 and "1 near-tie token(s) left out" in verdict.verdict()
-
-    far = [ids([0, 1, 2], [9, 10, 11], [3, 4, -1]), ids([5, 6, 7])]
-    assert MAX_TIE_SWAPS < 3
-    verdict = agreement(got, want, far, picks)
-    assert not verdict.passed and verdict.pick_mismatches == 1 and verdict.verdict().startswith("FAIL")
-
-    off = [w + 2 * REL_TOL for w in want]  # same picks, outputs beyond the tolerance
-    verdict = agreement(off, want, picks, picks)
-    assert not verdict.passed and verdict.max_rel_diff == pytest.approx(2 * REL_TOL)
+def test_oracle_verdict_fails_on_outputs_or_picks():
+    assert OracleVerdict(10, REL_TOL / 2, 0).passed
+    assert not OracleVerdict(10, 2 * REL_TOL, 0).passed
+    bad_picks = OracleVerdict(10, 0.0, 1)
+    assert not bad_picks.passed and bad_picks.verdict().startswith("FAIL") and "1 token(s)" in bad_picks.verdict()
 
 
 def test_graphs_exits_1_when_a_layer_fails(monkeypatch, capsys):
-    honest = graphs_main.agreement
+    honest = graphs_main.oracle_verdict
 
-    def strict(*args):  # as if one token had picked other entries
+    def strict(*args):  # as if one token had picked entries the oracle rules out
         result = honest(*args)
-        return type(result)(result.tokens, result.tie_tokens, 1, result.max_abs_diff, result.max_rel_diff)
+        return OracleVerdict(result.tokens, result.max_rel_diff, 1)
 
-    monkeypatch.setattr(graphs_main, "agreement", strict)
-    status, _ = exits(graphs_main.main, ["--device", "cpu", "--ratios", "2", "--steps", "4", "--requests", "2"])
+    monkeypatch.setattr(graphs_main, "oracle_verdict", strict)
+    status, _ = exits(graphs_main.main, ["--device", "cpu", "--ratios", "2", "--decode", "4", "--requests", "2"])
     printed = capsys.readouterr().out
     assert status == 1 and "FAIL: ratio 2" in printed
 

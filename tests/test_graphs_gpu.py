@@ -1,11 +1,11 @@
-"""GPU tests of the decode-step CUDA graphs (run on the device machine: ``pytest -m gpu``).
+"""GPU tests of the step's CUDA graphs (run on the device machine: ``pytest -m gpu``).
 
 The layer is the benchmark's V4.1-Flash ratio-2 layer (``graphs.bench.flash_layer``: 256
-request rows, 2048-token sequences, 64-token pages, buckets 1..256). Requests run 40
-steps eagerly, then a 64-step loop is replayed from the captured graphs and, on a deep
-copy, run eagerly; the two are compared token by token. The loop crosses ratio-2 groups
-(every 2 steps), SWA pages (position 64) and compressed pages (entry 32 = position 65),
-and its batch size moves between buckets (padding rows included).
+request rows, 2048-token sequences, 64-token pages, steps up to 512 tokens, buckets
+1..512). A mixed workload of at least 64 steps (prompts of 5 to 1000 tokens prefilled in
+chunks of up to 256 while others decode one token or a token plus up to 3 drafts, rejected
+drafts rewritten, request rows reused) is replayed from the captured graphs and, on a deep
+copy, run eagerly; the two are compared token by token.
 
 Tolerance: per token, max |replay - eager| <= 3e-2 * max |eager| of that token's row
 (bf16 activations and cache rows; Inductor's fused fp32 math rounds q / kv / entries to
@@ -19,15 +19,14 @@ import copy
 import pytest
 import torch
 
-from graphs import DEFAULT_BUCKETS, TINY, CacheConfig, DecodeRunner, DecodeStep, DSV41Attention, StepMetadata
-from graphs.bench import decode_inputs, flash_layer
-from graphs.schedule import Schedule, hidden_states, run_schedule
+from graphs import DEFAULT_BUCKETS, TINY, CacheConfig, DSV41Attention, LayerStep, PageAllocator, StepMetadata, StepRunner
+from graphs.bench import flash_layer
+from graphs.schedule import hidden_states, mixed_workload, run_workload
 
 pytestmark = pytest.mark.gpu
 
-PREFIX = 40
-LOOP = range(PREFIX, PREFIX + 64)
-SCHEDULE = Schedule(starts=(0, 0, 10, 25, 40, 41, 60, 70, 90), lengths=(104, 80, 94, 60, 64, 50, 44, 34, 5))
+WORKLOAD = mixed_workload([300, 40, 700, 130, 64, 1000, 5, 260, 90, 17, 450], 24, chunk=256, max_tokens=512, rows=8,
+                          arrive_every=4, drafts=3)
 TOL = 3e-2
 
 
@@ -37,20 +36,24 @@ def replayed():
 
     device = torch.device("cuda")
     layer = flash_layer(2, device)
+    twin = StepRunner(copy.deepcopy(layer), compile=False, cuda_graphs=False)
     torch._dynamo.reset()
     counters.clear()
-    runner = DecodeRunner(layer)
+    runner = StepRunner(layer)
     runner.capture()
     dynamo_graphs = counters["stats"]["unique_graphs"]
     breaks = sum(counters["graph_break"].values())
-    xs = hidden_states(SCHEDULE, layer.cfg.dim, seed=3, device=device)
+    xs = hidden_states(WORKLOAD, layer.cfg.dim, seed=3, device=device)
     with torch.no_grad():
-        prefix = DecodeRunner(layer, compile=False, cuda_graphs=False, meta=runner.meta)
-        run_schedule(prefix.step, SCHEDULE, xs, steps=range(PREFIX))
-        twin = DecodeRunner(copy.deepcopy(layer), compile=False, cuda_graphs=False, meta=copy.deepcopy(runner.meta))
-        got, _ = run_schedule(runner.step, SCHEDULE, xs, steps=LOOP, sync_debug="error")
-        want, _ = run_schedule(twin.step, SCHEDULE, xs, steps=LOOP)
+        got, _ = run_workload(runner.step, WORKLOAD, xs, release=runner.release, sync_debug="error")
+        want, _ = run_workload(twin.step, WORKLOAD, xs, release=twin.release)
     return dict(runner=runner, twin=twin, got=got, want=want, dynamo_graphs=dynamo_graphs, breaks=breaks)
+
+
+def test_the_workload_mixes_every_step_kind():
+    kinds = WORKLOAD.kinds()
+    assert len(WORKLOAD.steps) >= 64 and kinds["prefill"] and kinds["decode"] and kinds["draft"]
+    assert max(WORKLOAD.tokens(s) for s in range(len(WORKLOAD.steps))) == 512
 
 
 def test_one_cuda_graph_per_bucket(replayed):
@@ -58,34 +61,38 @@ def test_one_cuda_graph_per_bucket(replayed):
     assert sorted(runner.graphs) == list(DEFAULT_BUCKETS)
     assert runner.captures == len(DEFAULT_BUCKETS)
     assert replayed["breaks"] == 0
-    assert replayed["dynamo_graphs"] <= 2  # 1 with backed_size_oblivious; bucket 1 may specialise on older torch
+    assert replayed["dynamo_graphs"] == 1
 
 
-def test_replayed_loop_equals_eager_step_by_step(replayed):
+def test_replayed_workload_equals_eager_step_by_step(replayed):
     worst = 0.0
     for got, want in zip(replayed["got"], replayed["want"]):
         assert got.shape == want.shape and torch.isfinite(got).all()
         per_token = (got - want).abs().amax(-1) / want.abs().amax(-1)
         worst = max(worst, per_token.max().item())
-    print(f"worst per-token relative difference replay vs eager over 64 steps: {worst:.2e}")
+    print(f"worst per-token relative difference replay vs eager over {len(WORKLOAD.steps)} steps: {worst:.2e}")
     assert worst <= TOL
 
 
 def test_memory_constant_and_no_host_sync_over_1000_replays(replayed):
+    """1000 decode steps of 5 requests (positions 0..999: pages given and recycled on the
+    host, the graph of bucket 8 replayed)."""
     runner = replayed["runner"]
-    x, positions, rows = decode_inputs(5, 1000, runner.layer.cfg.dim, "cuda")
+    x = torch.randn(5, runner.layer.cfg.dim, device="cuda").to(torch.bfloat16)
+    rows = torch.arange(5, dtype=torch.int32)
     with torch.no_grad():
-        runner.step(x, positions, rows)
+        runner.step(x, torch.zeros(5, dtype=torch.int32), rows)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for _ in range(1000):
-                runner.step(x, positions, rows)
+            for p in range(1, 1001):
+                runner.step(x, torch.full((5,), p, dtype=torch.int32), rows)
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+    assert runner.pages.pages_held()[0] == 5 * runner.layer.cache_cfg.swa_pages_between_steps(runner.layer.cfg.window_size)
 
 
 def test_reduce_overhead_mode_matches_eager():
@@ -93,28 +100,34 @@ def test_reduce_overhead_mode_matches_eager():
     trees) on the tiny config: no skipped graphs, same outputs as eager."""
     from torch._dynamo.utils import counters
 
-    cache = CacheConfig(max_requests=4, max_tokens=4, max_seq_len=64, page_size=4)
+    cache = CacheConfig(max_requests=4, max_tokens=8, max_seq_len=64, page_size=4)
     layer = DSV41Attention(TINY, cache, 2, device="cuda")
     twin = copy.deepcopy(layer)
-    meta, twin_meta = StepMetadata.for_layer(layer), StepMetadata.for_layer(twin)
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(DecodeStep(layer, meta), mode="reduce-overhead", fullgraph=True)
-    eager = DecodeStep(twin, twin_meta)
-    static_x = torch.zeros(4, TINY.dim, dtype=torch.bfloat16, device="cuda")
+    compiled = torch.compile(LayerStep(layer, StepMetadata.for_layer(layer)), mode="reduce-overhead", fullgraph=True)
+    eager = LayerStep(twin, StepMetadata.for_layer(twin))
+    static_x = torch.zeros(8, TINY.dim, dtype=torch.bfloat16, device="cuda")
 
-    def step_with(module, m):
+    def step_with(module):
+        pages = PageAllocator.for_layer(module.layer if isinstance(module, LayerStep) else layer)
+
         def step(x, positions, rows):
-            m.update(positions, rows, bucket=4)
+            meta = module.meta if isinstance(module, LayerStep) else compiled._orig_mod.meta
+            pages.plan(positions, rows)
+            meta.apply_pages(*pages.take_changes())
+            meta.update(positions, rows, bucket=8)
             static_x[: x.shape[0]].copy_(x)
-            return module(static_x)[: x.shape[0]].clone()
+            out = module(static_x)[: x.shape[0]].clone()
+            pages.trim()
+            return out
         return step
 
-    schedule = Schedule(starts=(0, 1, 3, 6), lengths=(20, 12, 15, 14))
-    xs = hidden_states(schedule, TINY.dim, seed=4, device="cuda")
+    workload = mixed_workload([9, 3, 14, 6], 10, chunk=4, max_tokens=8, rows=4, drafts=2)
+    xs = hidden_states(workload, TINY.dim, seed=4, device="cuda")
     with torch.no_grad():
-        got, _ = run_schedule(step_with(compiled, meta), schedule, xs)
-        want, _ = run_schedule(step_with(eager, twin_meta), schedule, xs)
+        got, _ = run_workload(step_with(compiled), workload, xs)
+        want, _ = run_workload(step_with(eager), workload, xs)
     assert sum(counters["inductor"].get(k, 0) for k in ("cudagraph_skips",)) == 0
     for g, w in zip(got, want):
         assert ((g - w).abs().max() / w.abs().max()).item() <= TOL
