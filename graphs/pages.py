@@ -67,8 +67,6 @@ class PageAllocator:
         generator: hand pages out in a random order.
 
     Attributes:
-        swa_table / cmp_table: host mirrors ``[R, Bs]`` / ``[R, Bc]`` int32 of the block
-            tables (``-1`` = no page).
         length: accepted tokens of each row (where its next step continues).
         high: highest position each row has written (``-1``: none).
     """
@@ -77,8 +75,10 @@ class PageAllocator:
                  generator: Optional[torch.Generator] = None) -> None:
         R = cache.max_requests
         self.cache, self.ratio, self.window = cache, ratio, window
-        self.swa_table = torch.full((R, cache.swa_table_columns()), -1, dtype=torch.int32)
-        self.cmp_table = torch.full((R, cache.cmp_pages_per_request(ratio)), -1, dtype=torch.int32)
+        # host rows of the block tables, as Python lists (indexing a tensor per entry would
+        # cost microseconds each on the host path of every step)
+        self._rows = {"swa": [[-1] * cache.swa_table_columns() for _ in range(R)],
+                      "cmp": [[-1] * cache.cmp_pages_per_request(ratio) for _ in range(R)]}
         self.swa_pool = PagePool(cache.swa_num_pages(window), "swa", generator)
         self.cmp_pool = PagePool(cache.cmp_num_pages(ratio), "cmp", generator)
         self.length = [0] * R
@@ -175,9 +175,10 @@ class PageAllocator:
 
     def release(self, row: int) -> None:
         """A finished request: give back all its pages; the row starts over at position 0."""
-        for kind, table in (("swa", self.swa_table), ("cmp", self.cmp_table)):
-            for col in (table[row] >= 0).nonzero().flatten().tolist():
-                self._free(row, col, kind)
+        for kind, rows in self._rows.items():
+            for col, page in enumerate(rows[row]):
+                if page >= 0:
+                    self._free(row, col, kind)
         self.length[row], self.high[row], self._swa_low[row], self._cmp_columns[row] = 0, -1, 0, 0
 
     def take_changes(self) -> tuple[Optional[PageChanges], Optional[PageChanges]]:
@@ -194,20 +195,25 @@ class PageAllocator:
         """``(SWA, compressed)`` pages in use."""
         return (self.swa_pool.num_pages - self.swa_pool.num_free, self.cmp_pool.num_pages - self.cmp_pool.num_free)
 
-    def _table(self, kind: str):
-        return (self.swa_table, self.swa_pool) if kind == "swa" else (self.cmp_table, self.cmp_pool)
+    @property
+    def swa_table(self) -> Tensor:
+        """Host copy ``[R, Bs]`` int32 of the SWA block table (``-1`` = no page)."""
+        return torch.tensor(self._rows["swa"], dtype=torch.int32)
+
+    @property
+    def cmp_table(self) -> Tensor:
+        """Host copy ``[R, Bc]`` int32 of the compressed block table (``-1`` = no page)."""
+        return torch.tensor(self._rows["cmp"], dtype=torch.int32).reshape(len(self.length), self.cache.cmp_pages_per_request(self.ratio))
 
     def _give(self, row: int, col: int, kind: str) -> None:
-        table, pool = self._table(kind)
-        if table[row, col] < 0:
-            page = pool.take()
-            table[row, col] = page
+        table = self._rows[kind][row]
+        if table[col] < 0:
+            table[col] = page = (self.swa_pool if kind == "swa" else self.cmp_pool).take()
             self._changes[kind].append((row, col, page))
 
     def _free(self, row: int, col: int, kind: str) -> None:
-        table, pool = self._table(kind)
-        page = int(table[row, col])
-        if page >= 0:
-            pool.give(page)
-            table[row, col] = -1
+        table = self._rows[kind][row]
+        if table[col] >= 0:
+            (self.swa_pool if kind == "swa" else self.cmp_pool).give(table[col])
+            table[col] = -1
             self._changes[kind].append((row, col, -1))

@@ -28,7 +28,7 @@ from graphs.attention import DSV41Attention
 from graphs.metadata import StepMetadata
 from graphs.pages import PageAllocator
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 class LayerStep(nn.Module):
@@ -73,9 +73,9 @@ class StepRunner:
 
     Args:
         layer: the attention layer (its caches are mutated by every valid step).
-        buckets: step sizes (tokens) to capture as CUDA graphs; a step of ``n`` tokens runs
-            the smallest bucket ``>= n``, a larger one (up to ``max_tokens``) runs without a
-            graph at its own size. Largest bucket <= ``layer.cache_cfg.max_tokens``.
+        buckets: step sizes (tokens) to capture as CUDA graphs (those ``<= max_tokens``
+            are kept); a step of ``n`` tokens runs the smallest bucket ``>= n``, a larger one
+            (up to ``max_tokens``) runs compiled without a graph at its own size.
         pages: the host-side page allocator (default: :meth:`PageAllocator.for_layer`).
         compile: ``torch.compile(fullgraph=True)`` the step (``False``: run it eagerly,
             still padded and, on CUDA, still captured).
@@ -193,7 +193,9 @@ class StepRunner:
         size = self.bucket_for(n)
         self._trace_once()
         self.pages.plan(positions, token_to_req)
-        self.meta.apply_pages(*self.pages.take_changes())
+        swa, cmp = self.pages.take_changes()
+        positions, token_to_req, swa, cmp = self._to_device(positions, token_to_req, swa, cmp)
+        self.meta.apply_pages(swa, cmp)
         self.meta.update(positions, token_to_req, bucket=size)
         self.x[:n].copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
@@ -204,6 +206,31 @@ class StepRunner:
         else:
             out = self.run(size)[:n]
         self.pages.trim()
+        return out
+
+    def _to_device(self, *parts):
+        """The step's host integers (``[n]`` tensors and ``PageChanges`` triples, ``None``
+        skipped) in one copy to the layer's device. On CUDA they are packed into a pinned
+        buffer from torch's caching host allocator, which reuses a buffer only once its
+        last copy has finished: a copy from pageable memory would wait for the stream to
+        drain, holding the host until the GPU is idle."""
+        device = self.meta.ints.device
+        flat = [t for part in parts if part is not None for t in (part if isinstance(part, tuple) else (part,))]
+        if device.type != "cuda" or not flat:
+            return parts
+        stage = torch.empty(sum(t.numel() for t in flat), dtype=torch.int32, pin_memory=True)
+        torch.cat(flat, out=stage)
+        moved = stage.to(device, non_blocking=True).split([t.numel() for t in flat])
+        out, i = [], 0
+        for part in parts:
+            if part is None:
+                out.append(None)
+            elif isinstance(part, tuple):
+                out.append(tuple(moved[i : i + len(part)]))
+                i += len(part)
+            else:
+                out.append(moved[i])
+                i += 1
         return out
 
     def release(self, row: int) -> None:

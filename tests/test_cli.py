@@ -92,7 +92,7 @@ def test_graphs_exits_1_when_a_layer_fails(monkeypatch, capsys):
 
     def strict(*args):  # as if one token had picked entries the oracle rules out
         result = honest(*args)
-        return OracleVerdict(result.tokens, result.max_rel_diff, 1)
+        return OracleVerdict(result.tokens, result.max_rel_diff, 1, result.tolerance)
 
     monkeypatch.setattr(graphs_main, "oracle_verdict", strict)
     status, _ = exits(graphs_main.main, ["--device", "cpu", "--ratios", "2", "--decode", "4", "--requests", "2"])
