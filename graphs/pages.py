@@ -85,7 +85,9 @@ class PageAllocator:
         self.high = [-1] * R
         self._swa_low = [0] * R  # lowest SWA column a row may still hold
         self._cmp_columns = [0] * R  # compressed columns given (a prefix of the row)
-        self._changes: dict[str, list[tuple[int, int, int]]] = {"swa": [], "cmp": []}
+        # (row, column) -> page of the entries changed since take_changes, the last change
+        # of an entry winning (one index_put_ of duplicate indices would pick either)
+        self._changes: dict[str, dict[tuple[int, int], int]] = {"swa": {}, "cmp": {}}
         self._touched: list[int] = []
 
     @classmethod
@@ -186,9 +188,9 @@ class PageAllocator:
         :meth:`graphs.StepMetadata.apply_pages` (``None`` where nothing changed)."""
         out = []
         for kind in ("swa", "cmp"):
-            changes = self._changes[kind]
+            changes = [(r, c, page) for (r, c), page in self._changes[kind].items()]
             out.append(tuple(torch.tensor(v, dtype=torch.int32) for v in zip(*changes)) if changes else None)
-            self._changes[kind] = []
+            self._changes[kind] = {}
         return out[0], out[1]
 
     def pages_held(self) -> tuple[int, int]:
@@ -209,11 +211,11 @@ class PageAllocator:
         table = self._rows[kind][row]
         if table[col] < 0:
             table[col] = page = (self.swa_pool if kind == "swa" else self.cmp_pool).take()
-            self._changes[kind].append((row, col, page))
+            self._changes[kind][row, col] = page
 
     def _free(self, row: int, col: int, kind: str) -> None:
         table = self._rows[kind][row]
         if table[col] >= 0:
             (self.swa_pool if kind == "swa" else self.cmp_pool).give(table[col])
             table[col] = -1
-            self._changes[kind].append((row, col, -1))
+            self._changes[kind][row, col] = -1

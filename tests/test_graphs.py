@@ -387,3 +387,21 @@ def test_buffer_bytes_formula_equals_the_layers_buffers(ratio, kv_format, index_
         assert want["cmp_cache"] == got["cmp_cache"] == 7 * cache.block_size(ratio) * got["cmp_cache"] // (
             layer.cmp_cache.shape[0] * layer.cmp_cache.shape[1])
         assert want["index_cache"] == got.get("indexer.index_cache", 0)
+
+
+def test_page_changes_name_each_table_entry_once():
+    """A row released and reused before the tables are copied: each (row, column) appears
+    once, with its last page (a device index_put_ of duplicates would pick either)."""
+    layer = make_layer(2, max_seq_len=64, max_tokens=16)
+    pages = PageAllocator.for_layer(layer, generator=torch.Generator().manual_seed(3))
+    pages.plan(torch.arange(12, dtype=I32), torch.zeros(12, dtype=I32))
+    pages.take_changes()
+    pages.release(0)
+    pages.plan(torch.arange(5, dtype=I32), torch.zeros(5, dtype=I32))
+    meta = StepMetadata.for_layer(layer)
+    for changes, table, mirror in zip(pages.take_changes(), (meta.swa_block_table, meta.cmp_block_table),
+                                      (pages.swa_table, pages.cmp_table)):
+        rows, cols, new = changes
+        assert len(set(zip(rows.tolist(), cols.tolist()))) == len(rows)
+        table.index_put_((rows.long(), cols.long()), new)
+        assert torch.equal(table[0], mirror[0])

@@ -2,9 +2,9 @@
 
 The layer is the benchmark's V4.1-Flash ratio-2 layer (``graphs.bench.flash_layer``: 256
 request rows, 2048-token sequences, 64-token pages, steps up to 512 tokens, buckets
-1..512). A mixed workload of at least 64 steps (prompts of 5 to 1000 tokens prefilled in
-chunks of up to 256 while others decode one token or a token plus up to 3 drafts, rejected
-drafts rewritten, request rows reused) is replayed from the captured graphs and, on a deep
+1..512). A mixed workload of 70 steps (prompts of 5 to 1000 tokens prefilled in chunks of
+up to 256 while others decode one token or a token plus up to 3 drafts, rejected drafts
+rewritten, request rows reused, up to 512 tokens per step) is replayed from the captured graphs and, on a deep
 copy, run eagerly; the two are compared token by token.
 
 Tolerance: per token, max |replay - eager| <= 3e-2 * max |eager| of that token's row
@@ -21,12 +21,13 @@ import torch
 
 from graphs import DEFAULT_BUCKETS, TINY, CacheConfig, DSV41Attention, LayerStep, PageAllocator, StepMetadata, StepRunner
 from graphs.bench import flash_layer
+from graphs.naive import oracle_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
 pytestmark = pytest.mark.gpu
 
-WORKLOAD = mixed_workload([300, 40, 700, 130, 64, 1000, 5, 260, 90, 17, 450], 24, chunk=256, max_tokens=512, rows=8,
-                          arrive_every=4, drafts=3)
+WORKLOAD = mixed_workload([300, 40, 700, 130, 64, 1000, 5, 260, 90, 17, 450], 64, chunk=256, max_tokens=512, rows=8,
+                          arrive_every=1, drafts=3)
 TOL = 3e-2
 
 
@@ -45,9 +46,11 @@ def replayed():
     breaks = sum(counters["graph_break"].values())
     xs = hidden_states(WORKLOAD, layer.cfg.dim, seed=3, device=device)
     with torch.no_grad():
-        got, _ = run_workload(runner.step, WORKLOAD, xs, release=runner.release, sync_debug="error")
-        want, _ = run_workload(twin.step, WORKLOAD, xs, release=twin.release)
-    return dict(runner=runner, twin=twin, got=got, want=want, dynamo_graphs=dynamo_graphs, breaks=breaks)
+        got, got_ids = run_workload(runner.step, WORKLOAD, xs, watch=layer.topk_ids, release=runner.release,
+                                    sync_debug="error")
+        want, want_ids = run_workload(twin.step, WORKLOAD, xs, watch=twin.layer.topk_ids, release=twin.release)
+    return dict(runner=runner, twin=twin, xs=xs, got=got, want=want, got_ids=got_ids, want_ids=want_ids,
+                dynamo_graphs=dynamo_graphs, breaks=breaks)
 
 
 def test_the_workload_mixes_every_step_kind():
@@ -64,14 +67,26 @@ def test_one_cuda_graph_per_bucket(replayed):
     assert replayed["dynamo_graphs"] == 1
 
 
-def test_replayed_workload_equals_eager_step_by_step(replayed):
-    worst = 0.0
-    for got, want in zip(replayed["got"], replayed["want"]):
+def test_replayed_workload_equals_eager_and_the_oracle(replayed):
+    """Both runs pass the full-history oracle (outputs given their own picks, picks within
+    the index format's rounding of the oracle's scores); tokens whose replayed and eager
+    picks are the same ids agree within TOL (where two near-tied entries swap, the
+    outputs attend other rows and only the oracle can judge them)."""
+    for run in ("got", "want"):
+        verdict = oracle_verdict(replayed["runner"].layer if run == "got" else replayed["twin"].layer, replayed["xs"],
+                                 replayed[run], replayed[f"{run}_ids"])
+        print(f"{run}: {verdict.verdict()}")
+        assert verdict.passed, verdict.verdict()
+    worst, same, tokens = 0.0, 0, 0
+    for got, want, a, b in zip(replayed["got"], replayed["want"], replayed["got_ids"], replayed["want_ids"]):
         assert got.shape == want.shape and torch.isfinite(got).all()
+        alike = (a.sort(-1).values == b.sort(-1).values).all(-1)
         per_token = (got - want).abs().amax(-1) / want.abs().amax(-1)
-        worst = max(worst, per_token.max().item())
-    print(f"worst per-token relative difference replay vs eager over {len(WORKLOAD.steps)} steps: {worst:.2e}")
-    assert worst <= TOL
+        worst = max(worst, per_token[alike].max().item()) if alike.any() else worst
+        same, tokens = same + int(alike.sum()), tokens + alike.numel()
+    print(f"replay vs eager over {len(WORKLOAD.steps)} steps: {same}/{tokens} tokens pick the same ids, "
+          f"worst per-token relative difference among them {worst:.2e}")
+    assert same >= 0.95 * tokens and worst <= TOL
 
 
 def test_memory_constant_and_no_host_sync_over_1000_replays(replayed):
@@ -92,7 +107,7 @@ def test_memory_constant_and_no_host_sync_over_1000_replays(replayed):
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
-    assert runner.pages.pages_held()[0] == 5 * runner.layer.cache_cfg.swa_pages_between_steps(runner.layer.cfg.window_size)
+    assert runner.pages.pages_held()[0] <= 5 * runner.layer.cache_cfg.swa_pages_between_steps(runner.layer.cfg.window_size)
 
 
 def test_reduce_overhead_mode_matches_eager():
