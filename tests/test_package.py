@@ -53,10 +53,14 @@ def test_public_docstring_examples_run():
     import doctest
 
     import compile_ops
+    import graphs
+    import graphs.pages
 
     ran = 0
-    for name in compile_ops.__all__:
-        doc = getattr(getattr(compile_ops, name), "__doc__", None) or ""
+    public = [getattr(compile_ops, n) for n in compile_ops.__all__] + [getattr(graphs, n) for n in graphs.__all__]
+    for obj in public + [graphs.pages]:
+        name = getattr(obj, "__name__", repr(obj))
+        doc = getattr(obj, "__doc__", None) or ""
         if ">>>" not in doc:
             continue
         test = doctest.DocTestParser().get_doctest(doc, {}, name, None, 0)
@@ -64,4 +68,4 @@ def test_public_docstring_examples_run():
         runner.run(test)
         assert runner.failures == 0, f"{name}'s docstring example fails"
         ran += 1
-    assert ran >= 8
+    assert ran >= 12
