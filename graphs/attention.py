@@ -385,11 +385,11 @@ class DSV41Attention(nn.Module):
             q, self.swa_cache, swa_idx, swa_lens, self.cmp_cache, cmp_idx, cmp_lens, self.attn_sink,
             self.softmax_scale, self.kv_format, self.kv_scale, o, lse, self.mla_workspace,
         )
-        o = _rope_last(o, rd, cos, sin, inverse=True)
         groups = self.cfg.o_groups
         wo_a = self.wo_a.weight.view(groups, self.cfg.o_lora_rank, -1)
         # One GEMM per group, batched over groups: [G, T, H*D/G] @ [G, H*D/G, o_lora]. (A
         # matmul broadcasting wo_a over tokens would copy the 67 MB weight once per token.)
+        o = _rope_last(o, rd, cos, sin, inverse=True)
         o = torch.bmm(o.view(T, groups, -1).transpose(0, 1), wo_a.transpose(1, 2))  # [G, T, o_lora]
         # Gather the groups back token-major into a fresh contiguous [T, G, o_lora] tensor;
         # ``reshape`` of the transposed view would add a guard on T == 1.

@@ -42,10 +42,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """
     shape = x.shape
     pairs = x.float().reshape(shape[0], -1, shape[-1] // 2, 2)
-    c = cos.view(shape[0], 1, -1)
-    s = sin.view(shape[0], 1, -1)
-    if inverse:
-        s = -s
-    even, odd = pairs[..., 0], pairs[..., 1]
-    out = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1)
+    c = cos.view(shape[0], 1, -1, 1)
+    s = sin.view(shape[0], 1, -1, 1)
+    # (even, odd) -> (even c - odd s, odd c + even s): one elementwise expression over the
+    # pairs and their swapped copy (-odd, even), no stack of halves
+    swapped = pairs.flip(-1) * torch.tensor([-1.0, 1.0], device=x.device)
+    out = pairs * c + swapped * (-s if inverse else s)
     return out.reshape(shape).to(x.dtype)
