@@ -46,6 +46,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     s = sin.view(shape[0], 1, -1, 1)
     # (even, odd) -> (even c - odd s, odd c + even s): one elementwise expression over the
     # pairs and their swapped copy (-odd, even), no stack of halves
-    swapped = pairs.flip(-1) * torch.tensor([-1.0, 1.0], device=x.device)
+    swapped = torch.cat([-pairs[..., 1:], pairs[..., :1]], dim=-1)
     out = pairs * c + swapped * (-s if inverse else s)
     return out.reshape(shape).to(x.dtype)
