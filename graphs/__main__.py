@@ -228,6 +228,9 @@ def report(info: dict) -> None:
         p = info["prefill"]
         print(f"prefill {p['prompt']} tokens in {p['chunk']}-token chunks: {p['ms']} ms, {p['tokens_per_s']} tokens/s, "
               f"{p['tflops']} TFLOP/s = {p['pct_of_bf16_rate']} % of the bf16 rate")
+        if p["chunk_top_kernels"]:
+            print(f"one {p['chunk']}-token chunk's graph: {p['chunk_kernels_us']} us of kernels; costliest (us): "
+                  + "; ".join(f"{name} {us}" for name, us in p["chunk_top_kernels"]))
     if "long_decode" in info:
         d = info["long_decode"]
         print(f"decode of {d['batch']} requests at {d['context']} tokens: replay {d['replay_us']} us, floor "

@@ -199,8 +199,8 @@ def step_flops(layer: DSV41Attention, tokens: int, n_entries_sum: int) -> float:
 @torch.no_grad()
 def time_prefill(runner: StepRunner, prompt: int, chunk: int, row: int = 0) -> dict:
     """A ``prompt``-token prefill of request row ``row`` in chunks of ``chunk`` tokens
-    (steps past the largest bucket run compiled, without a graph): wall time, tokens/s and
-    the share of the bf16 matrix rate its FLOPs reach."""
+    (steps past the largest bucket run compiled, without a graph): wall time, tokens/s, the
+    share of the bf16 matrix rate its FLOPs reach, and the kernels of one chunk's graph."""
     layer, device = runner.layer, runner.layer.swa_cache.device
     gen = torch.Generator().manual_seed(prompt)
     x = torch.randn(chunk, layer.cfg.dim, generator=gen).to(torch.bfloat16).to(device)
@@ -218,11 +218,15 @@ def time_prefill(runner: StepRunner, prompt: int, chunk: int, row: int = 0) -> d
     run()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    top: list = []
+    if chunk in runner.graphs:  # the last chunk's graph, replayed again: where a chunk's time goes
+        kernels = kernel_time(runner.graphs[chunk].replay, iters=2, top=top)
     entries = sum((p + 1) // ratio for p in range(prompt)) if layer.compress_ratio else 0
     flops = step_flops(layer, prompt, entries)
     runner.release(row)
     return {"prompt": prompt, "chunk": chunk, "ms": round(seconds * 1e3, 2), "tokens_per_s": round(prompt / seconds),
-            "tflops": round(flops / seconds / 1e12, 1), "pct_of_bf16_rate": round(100 * flops / seconds / BF16_FLOPS_PER_S, 1)}
+            "tflops": round(flops / seconds / 1e12, 1), "pct_of_bf16_rate": round(100 * flops / seconds / BF16_FLOPS_PER_S, 1),
+            "chunk_kernels_us": round(kernels, 1) if top else None, "chunk_top_kernels": top}
 
 
 @torch.no_grad()
