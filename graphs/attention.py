@@ -28,10 +28,52 @@ from torch import Tensor, nn
 import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
 from compile_ops.formats import new_cache
 from compile_ops.indexer.cache import INDEX_DIM, new_index_cache
+from compile_ops.dcp import all_gather_heads
 from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.metadata import StepInputs, step_inputs
 from graphs.rope import apply_rope, rope_tables, yarn_inv_freq
+
+
+def _dcp_rank(cfg: AttentionConfig, cache: CacheConfig, ratio: int, dcp_group: Optional[str]):
+    """``(group name or None, rank, world)`` of a layer; checks the group against the cache
+    geometry and the heads and output groups against the world size."""
+    N = cache.dcp_world
+    if dcp_group is None:
+        if N > 1:
+            raise ValueError(f"cache.dcp_world is {N}: pass dcp_group, the c10d name of the DCP group")
+        return None, 0, 1
+    from compile_ops._groups import group_rank, group_size
+
+    if group_size(dcp_group) != N:
+        raise ValueError(f"dcp_group {dcp_group!r} has {group_size(dcp_group)} ranks but cache.dcp_world is {N}")
+    if cfg.n_heads % N or cfg.o_groups % N:
+        raise ValueError(f"a DCP group of {N} ranks must divide the heads ({cfg.n_heads}) and the output groups "
+                         f"({cfg.o_groups}): each rank holds H / N heads and G / N groups")
+    if N == 1:
+        return None, 0, 1
+    _check_same_config(dcp_group, cfg, cache, ratio)
+    return dcp_group, group_rank(dcp_group), N
+
+
+def _check_same_config(dcp_group: str, cfg: AttentionConfig, cache: CacheConfig, ratio: int) -> None:
+    """One small collective at construction: every rank of the group must build the same
+    layer (model dims and serving geometry); a mismatch raises on every rank, naming it."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(dcp_group)
+    mine = {"compress_ratio": ratio, **{f"cfg.{k}": v for k, v in dataclasses.asdict(cfg).items()},
+            **{f"cache.{k}": v for k, v in dataclasses.asdict(cache).items()}}
+    every: list = [None] * group.size()
+    dist.all_gather_object(every, mine, group=group)
+    for rank, theirs in enumerate(every):
+        differ = sorted(k for k in mine if theirs.get(k) != every[0].get(k))
+        if differ:
+            raise ValueError(f"DCP rank {rank} was built with another layer than rank 0: "
+                             + ", ".join(f"{k} = {theirs.get(k)!r} vs {every[0].get(k)!r}" for k in differ))
 
 
 class RMSNorm(nn.Module):
@@ -204,8 +246,10 @@ class Indexer(nn.Module):
     so the cost follows the entries a request has, not the cache's capacity.
     """
 
-    def __init__(self, cfg: AttentionConfig, cache: CacheConfig, ratio: int, device=None) -> None:
+    def __init__(self, cfg: AttentionConfig, cache: CacheConfig, ratio: int, device=None,
+                 dcp_group: Optional[str] = None) -> None:
         super().__init__()
+        self.dcp_group, self.interleave = dcp_group, cache.dcp_interleave
         if cfg.index_head_dim != INDEX_DIM:
             raise ValueError(f"the indexer ops take {INDEX_DIM}-wide keys, got index_head_dim {cfg.index_head_dim}")
         self.ratio = ratio
@@ -230,6 +274,10 @@ class Indexer(nn.Module):
         torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key.to(torch.bfloat16) @ self.rotation,
                                          self.index_format)
         weights = self.weights_proj(x).float() * (self.head_dim * self.n_heads) ** -0.5
+        if self.dcp_group is not None:  # this rank's keys; every rank gets the same global ids
+            return torch.ops.dsv41.dcp_indexer_topk(q.contiguous(), weights, self.index_cache, inp.cmp_block_table,
+                                                    inp.token_to_req, rows.n_entries, self.topk, self.index_format,
+                                                    self.dcp_group, self.interleave)
         return torch.ops.dsv41.indexer_topk(q.contiguous(), weights, self.index_cache, inp.cmp_block_table,
                                             inp.token_to_req, rows.n_entries, self.topk, self.index_format)
 
@@ -262,25 +310,33 @@ class DSV41Attention(nn.Module):
         torch.Size([2, 64])
     """
 
-    def __init__(self, cfg: AttentionConfig, cache: CacheConfig, compress_ratio: int, device=None, seed: int = 0) -> None:
+    def __init__(self, cfg: AttentionConfig, cache: CacheConfig, compress_ratio: int, device=None, seed: int = 0,
+                 dcp_group: Optional[str] = None) -> None:
         super().__init__()
         self.cfg, self.cache_cfg = cfg, cache
         self.compress_ratio = ratio = cache.check_ratio(cfg.check_ratio(compress_ratio)) if compress_ratio else 0
-        H, D, bf16 = cfg.n_heads, cfg.head_dim, torch.bfloat16
+        H, D, G, bf16 = cfg.n_heads, cfg.head_dim, cfg.o_groups, torch.bfloat16
         self.n_heads, self.head_dim, self.rope_dim = H, D, cfg.rope_head_dim
         self.softmax_scale = D ** -0.5
         self.kv_format, self.kv_scale = cache.kv_format, float(cache.kv_scale)
+        self.dcp_group, self.dcp_rank, N = _dcp_rank(cfg, cache, ratio, dcp_group)
+        self.local_heads, self.local_groups = H // N, G // N
+        # (dim, rows per rank) of the parameters sharded over the DCP group: q heads, wo_a's
+        # output groups, wo_b's input groups; everything else is replicated
+        self.shards = {"wq_b.weight": (0, H // N * D), "wo_a.weight": (0, G // N * cfg.o_lora_rank),
+                       "wo_b.weight": (1, G // N * cfg.o_lora_rank)} if N > 1 else {}
 
-        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))  # all heads: rank 0 attends them
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False, dtype=bf16, device=device)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False, dtype=bf16, device=device)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H // N * D, bias=False, dtype=bf16, device=device)
         self.wkv = nn.Linear(cfg.dim, D, bias=False, dtype=bf16, device=device)
         self.kv_norm = RMSNorm(D, cfg.norm_eps, device)
-        self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=bf16, device=device)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False, dtype=bf16, device=device)
+        self.wo_a = nn.Linear(H * D // G, G // N * cfg.o_lora_rank, bias=False, dtype=bf16, device=device)
+        self.wo_b = nn.Linear(G // N * cfg.o_lora_rank, cfg.dim, bias=False, dtype=bf16, device=device)
         self.compressor = Compressor(cfg, ratio, D, cfg.overlaps(ratio), cache, device) if ratio else None
-        self.indexer = Indexer(cfg, cache, ratio, device) if cfg.has_indexer(ratio) else None
+        self.indexer = Indexer(cfg, cache, ratio, device, self.dcp_group) if cfg.has_indexer(ratio) else None
+        self._register_load_state_dict_pre_hook(self._shard_full_weights)
 
         if ratio:  # compressed layers use the compress theta with YaRN, SWA-only layers neither
             inv = yarn_inv_freq(cfg.rope_head_dim, cache.max_seq_len, cfg.original_seq_len, cfg.compress_rope_theta,
@@ -312,16 +368,40 @@ class DSV41Attention(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
         """Random weights: linear ``N(0, 1/in)``, norms ``1 + N(0, 0.1^2)``, ``ape`` and
-        ``attn_sink`` ``N(0, 0.5^2)``; drawn on the CPU so every device gets the same."""
+        ``attn_sink`` ``N(0, 0.5^2)``; drawn on the CPU so every device gets the same, and
+        drawn at their full (DCP=1) shapes, so every rank holds its shard of one layer."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in sorted(self.named_parameters()):
+            shape = self.full_shape(name, p)
             if name.endswith("norm.weight"):
-                value = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+                value = 1 + 0.1 * torch.randn(shape, generator=gen)
             elif name.endswith("ape") or name == "attn_sink":
-                value = 0.5 * torch.randn(p.shape, generator=gen)
+                value = 0.5 * torch.randn(shape, generator=gen)
             else:
-                value = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])
-            p.copy_(value)
+                value = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+            p.copy_(self.shard(name, value))
+
+    def full_shape(self, name: str, p: Tensor) -> tuple[int, ...]:
+        """The DCP=1 shape of parameter ``name`` (``p`` its local shard)."""
+        if name not in self.shards:
+            return tuple(p.shape)
+        dim, _ = self.shards[name]
+        return tuple(n * (self.cache_cfg.dcp_world if d == dim else 1) for d, n in enumerate(p.shape))
+
+    def shard(self, name: str, full: Tensor) -> Tensor:
+        """This rank's slice of the full (DCP=1) value of parameter ``name``."""
+        if name not in self.shards:
+            return full
+        dim, size = self.shards[name]
+        return full.narrow(dim, self.dcp_rank * size, size)
+
+    def _shard_full_weights(self, state_dict, prefix, *args) -> None:
+        """``load_state_dict`` of a full state dict on a DCP rank: slice the sharded
+        parameters to this rank (a local shard of the right shape loads as it is)."""
+        for name in self.shards:
+            value = state_dict.get(prefix + name)
+            if value is not None and tuple(value.shape) == self.full_shape(name, self.get_parameter(name)):
+                state_dict[prefix + name] = self.shard(name, value)
 
     @torch.no_grad()
     def reset_cache(self) -> None:
@@ -331,10 +411,11 @@ class DSV41Attention(nn.Module):
                 buf.fill_(-1 if name == "topk_ids" else 0)
 
     def step_inputs(self, positions, token_to_req, swa_block_table, cmp_block_table) -> StepInputs:
-        """:func:`graphs.step_inputs` with this layer's page sizes and ratio."""
+        """:func:`graphs.step_inputs` with this layer's page sizes, ratio and DCP shard."""
         c = self.cache_cfg
         return step_inputs(positions, token_to_req, swa_block_table, cmp_block_table, c.page_size,
-                           c.block_size(self.compress_ratio), self.compress_ratio)
+                           c.block_size(self.compress_ratio), self.compress_ratio, self.dcp_rank, c.dcp_world,
+                           c.dcp_interleave)
 
     def forward(self, x: Tensor, inp: StepInputs) -> Tensor:
         """One step of ``T`` tokens: ``x [T, dim]`` bf16 -> ``[T, dim]`` bf16 (rows of
@@ -354,7 +435,7 @@ class DSV41Attention(nn.Module):
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
 
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(T, H, D).float()
+        q = self.wq_b(qr).view(T, self.local_heads, D).float()
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
         q = _rope_last(q, rd, cos, sin).to(x.dtype)
         kv = _rope_last(self.kv_norm(self.wkv(x)), rd, cos, sin)
@@ -375,17 +456,32 @@ class DSV41Attention(nn.Module):
                 ids = torch.arange(self.topk, device=x.device, dtype=torch.int32)
                 topk = torch.where(ids < rows.n_entries.unsqueeze(1), ids, -1)
             self.topk_ids[:T].copy_(topk)
-            cmp_idx, cmp_lens = torch.ops.dsv41.topk_to_slots(
-                self.topk_ids[:T], inp.token_to_req, inp.cmp_block_table, self.cache_cfg.block_size(ratio), valid
-            )
+            if self.dcp_group is None:
+                cmp_idx, cmp_lens = torch.ops.dsv41.topk_to_slots(
+                    self.topk_ids[:T], inp.token_to_req, inp.cmp_block_table, cache.block_size(ratio), valid
+                )
+            else:  # the global ids this rank holds, as its local slots
+                cmp_idx, cmp_lens = torch.ops.dsv41.dcp_topk_to_slots(
+                    self.topk_ids[:T], inp.token_to_req, inp.cmp_block_table, cache.block_size(ratio), valid,
+                    self.dcp_rank, cache.dcp_world, cache.dcp_interleave,
+                )
 
+        sink: Optional[Tensor] = self.attn_sink
+        if self.dcp_group is not None:
+            # every rank attends all heads over its shard; rank 0 alone adds the window and
+            # the sink, so each is counted once when dcp_combine merges the partials
+            q = all_gather_heads(q, self.dcp_group, cache.dcp_world)
+            if self.dcp_rank:
+                swa_lens, sink = torch.zeros_like(swa_lens), None
         o = q.new_empty(q.shape)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         torch.ops.dsv41.sparse_mla_out(
-            q, self.swa_cache, swa_idx, swa_lens, self.cmp_cache, cmp_idx, cmp_lens, self.attn_sink,
+            q, self.swa_cache, swa_idx, swa_lens, self.cmp_cache, cmp_idx, cmp_lens, sink,
             self.softmax_scale, self.kv_format, self.kv_scale, o, lse, self.mla_workspace,
         )
-        groups = self.cfg.o_groups
+        if self.dcp_group is not None:
+            o, _ = torch.ops.dsv41.dcp_combine(o, lse, self.dcp_group, "ag_rs")  # this rank's heads
+        groups = self.local_groups
         wo_a = self.wo_a.weight.view(groups, self.cfg.o_lora_rank, -1)
         # One GEMM per group, batched over groups: [G, T, H*D/G] @ [G, H*D/G, o_lora]. (A
         # matmul broadcasting wo_a over tokens would copy the 67 MB weight once per token.)
@@ -395,7 +491,11 @@ class DSV41Attention(nn.Module):
         # ``reshape`` of the transposed view would add a guard on T == 1.
         flat = o.new_empty(T, groups, o.shape[-1])
         flat.copy_(o.transpose(0, 1))
-        return self.wo_b(flat.view(T, -1))
+        y = self.wo_b(flat.view(T, -1))
+        if self.dcp_group is not None:  # each rank's output groups: the sum is the layer's output
+            c10d = torch.ops._c10d_functional
+            y = c10d.wait_tensor(c10d.all_reduce(y, "sum", self.dcp_group))
+        return y
 
     def extra_repr(self) -> str:
         c = self.cache_cfg

@@ -108,7 +108,12 @@ class CacheConfig:
             every request row to hold its window and the largest step to add its tokens).
         cmp_pages: pages of the compressed pool, shared by the index-key cache (``None``:
             every request row at ``max_seq_len``). Size it to the tokens the engine holds
-            at once; :class:`graphs.PageAllocator` raises when it runs out.
+            at once; :class:`graphs.PageAllocator` raises when it runs out. Under DCP it is
+            this rank's pool.
+        dcp_world: ranks of the decode-context-parallel group the compressed and index
+            caches are sharded over (1: no DCP).
+        dcp_interleave: the shard interleave ``I``: global entry ``c`` lives on rank
+            ``(c // I) % dcp_world`` as local entry ``(c // (dcp_world * I)) * I + c % I``.
     """
 
     max_requests: int
@@ -122,11 +127,15 @@ class CacheConfig:
     max_rewind: int = 4
     swa_pages: int | None = None
     cmp_pages: int | None = None
+    dcp_world: int = 1
+    dcp_interleave: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_requests", "max_tokens", "max_seq_len", "page_size"):
             _check_int(name, getattr(self, name), 1)
         _check_int("max_rewind", self.max_rewind, 0)
+        _check_int("dcp_world", self.dcp_world, 1)
+        _check_int("dcp_interleave", self.dcp_interleave, 1)
         for name in ("cmp_block_size", "swa_pages", "cmp_pages"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
@@ -142,6 +151,11 @@ class CacheConfig:
     def max_entries(self, ratio: int) -> int:
         """Compressed entries one request can hold (``0`` for SWA-only layers)."""
         return self.max_seq_len // ratio if ratio else 0
+
+    def local_entries(self, n: int, rank: int) -> int:
+        """How many of global entries ``0 .. n - 1`` DCP rank ``rank`` holds."""
+        span = self.dcp_world * self.dcp_interleave
+        return (n // span) * self.dcp_interleave + min(max(n % span - rank * self.dcp_interleave, 0), self.dcp_interleave)
 
     def check_ratio(self, ratio: int) -> int:
         """``ratio`` if a layer of that compress ratio fits this geometry (at least one
@@ -184,8 +198,9 @@ class CacheConfig:
         return self.swa_pages if self.swa_pages is not None else self.default_swa_pages(window)
 
     def cmp_pages_per_request(self, ratio: int) -> int:
-        """Compressed pages a request at ``max_seq_len`` holds (its block-table columns)."""
-        return -(-self.max_entries(ratio) // self.block_size(ratio)) if ratio else 0
+        """Compressed pages a request at ``max_seq_len`` holds on a rank (its block-table
+        columns; rank 0's count, the largest, on every rank so all ranks have one shape)."""
+        return -(-self.local_entries(self.max_entries(ratio), 0) // self.block_size(ratio)) if ratio else 0
 
     def cmp_num_pages(self, ratio: int) -> int:
         if not ratio:

@@ -57,13 +57,18 @@ def step_inputs(
     page_size: int,
     cmp_block_size: int,
     compress_ratio: int,
+    dcp_rank: int = 0,
+    dcp_world: int = 1,
+    dcp_interleave: int = 1,
 ) -> StepInputs:
-    """Derive validity and both slot mappings (graph-safe tensor math)."""
+    """Derive validity and both slot mappings (graph-safe tensor math); under DCP the
+    compressed slots are this rank's (``-1`` for entries other ranks hold)."""
     R = swa_block_table.shape[0]
     is_valid = (positions >= 0) & (token_to_req >= 0) & (token_to_req < R)
     swa_slots = compressed_slot_mapping(positions, token_to_req, swa_block_table, page_size, 1)
     if compress_ratio:
-        cmp_slots = compressed_slot_mapping(positions, token_to_req, cmp_block_table, cmp_block_size, compress_ratio)
+        cmp_slots = compressed_slot_mapping(positions, token_to_req, cmp_block_table, cmp_block_size, compress_ratio,
+                                            dcp_rank, dcp_world, dcp_interleave)
     else:
         cmp_slots = torch.full_like(swa_slots, -1)
     return StepInputs(positions, token_to_req, is_valid, swa_block_table, cmp_block_table, swa_slots, cmp_slots)
@@ -96,9 +101,10 @@ class StepMetadata(nn.Module):
     """
 
     def __init__(self, max_tokens: int, swa_columns: int, cmp_columns: int, max_requests: int, page_size: int,
-                 cmp_block_size: int, compress_ratio: int, device=None) -> None:
+                 cmp_block_size: int, compress_ratio: int, device=None, dcp: tuple[int, int, int] = (0, 1, 1)) -> None:
         super().__init__()
         self.max_tokens = max_tokens
+        self.dcp = dcp  # (rank, world, interleave) of the compressed caches' shards
         self.page_size = page_size
         self.cmp_block_size = cmp_block_size
         self.compress_ratio = compress_ratio
@@ -116,7 +122,8 @@ class StepMetadata(nn.Module):
         """Buffers matching ``layer``'s cache geometry, block tables empty (``-1``)."""
         cache, ratio = layer.cache_cfg, layer.compress_ratio
         return cls(max_tokens or cache.max_tokens, cache.swa_table_columns(), cache.cmp_pages_per_request(ratio),
-                   cache.max_requests, cache.page_size, cache.block_size(ratio), ratio, layer.swa_cache.device)
+                   cache.max_requests, cache.page_size, cache.block_size(ratio), ratio, layer.swa_cache.device,
+                   (layer.dcp_rank, cache.dcp_world, cache.dcp_interleave))
 
     @property
     def positions(self) -> Tensor:
@@ -162,7 +169,7 @@ class StepMetadata(nn.Module):
         torch._check(T <= self.max_tokens)
         inp = step_inputs(
             self.ints[0, :T], self.ints[1, :T], self.swa_block_table, self.cmp_block_table,
-            self.page_size, self.cmp_block_size, self.compress_ratio,
+            self.page_size, self.cmp_block_size, self.compress_ratio, *self.dcp,
         )
         self.swa_slots[:T].copy_(inp.swa_slots)
         self.cmp_slots[:T].copy_(inp.cmp_slots)

@@ -64,6 +64,7 @@ class PageAllocator:
         cache: the layer's geometry (pools, page sizes, ``max_rewind``).
         ratio: the layer's compress ratio (0: no compressed pages).
         window: the layer's SWA window (``AttentionConfig.window_size``).
+        rank: the layer's DCP rank (its share of the compressed entries gets pages).
         generator: hand pages out in a random order.
 
     Attributes:
@@ -71,10 +72,10 @@ class PageAllocator:
         high: highest position each row has written (``-1``: none).
     """
 
-    def __init__(self, cache: CacheConfig, ratio: int, window: int, *,
+    def __init__(self, cache: CacheConfig, ratio: int, window: int, *, rank: int = 0,
                  generator: Optional[torch.Generator] = None) -> None:
         R = cache.max_requests
-        self.cache, self.ratio, self.window = cache, ratio, window
+        self.cache, self.ratio, self.window, self.rank = cache, ratio, window, rank
         # host rows of the block tables, as Python lists (indexing a tensor per entry would
         # cost microseconds each on the host path of every step)
         self._rows = {"swa": [[-1] * cache.swa_table_columns() for _ in range(R)],
@@ -92,7 +93,8 @@ class PageAllocator:
 
     @classmethod
     def for_layer(cls, layer, *, generator: Optional[torch.Generator] = None) -> "PageAllocator":
-        return cls(layer.cache_cfg, layer.compress_ratio, layer.cfg.window_size, generator=generator)
+        return cls(layer.cache_cfg, layer.compress_ratio, layer.cfg.window_size, rank=layer.dcp_rank,
+                   generator=generator)
 
     def runs(self, positions: Sequence[int] | Tensor, token_to_req: Sequence[int] | Tensor) -> list[tuple[int, int, int]]:
         """The step's ``(row, first position, tokens)`` per request, after checking its layout."""
@@ -158,7 +160,8 @@ class PageAllocator:
         for col in range(swa_from // ps, (end - 1) // ps + 1):
             self._give(r, col, "swa")
         if self.ratio:
-            while self._cmp_columns[r] < -(-(end // self.ratio) // block):
+            entries = self.cache.local_entries(end // self.ratio, self.rank)  # this rank's share
+            while self._cmp_columns[r] < -(-entries // block):
                 self._give(r, self._cmp_columns[r], "cmp")
                 self._cmp_columns[r] += 1
         self.length[r] = end
