@@ -15,16 +15,23 @@ wall time; 8192 runs compiled without a graph), the prefill of a 32K-token promp
 at 128K tokens against the byte floor, the layer's memory against its formula, and
 decode cost in layers of 4K and 1M tokens of capacity (and plots with ``--plot``).
 
+``--dcp N`` serves the same workload under decode context parallelism instead: N processes
+(gloo on CPU, NCCL with one GPU each), each holding ``H / N`` heads and ``1 / N`` of the
+compressed and index-key caches (``--interleave``), compiled, and checks every token's
+output and top-k ids against the DCP=1 layer with the same weights.
+
 Examples::
 
     python -m graphs                                   # CPU: tiny; GPU: V4.1-Flash
     python -m graphs --plot docs/performance-decode.png --json out.json
+    python -m graphs --dcp 2 --interleave 4           # CPU: 2 gloo processes
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -35,7 +42,7 @@ from compile_ops.formats import KV_FORMATS
 from graphs import DEFAULT_BUCKETS, PRESETS, TINY, V41_FLASH, CacheConfig, DSV41Attention, StepRunner, buffer_bytes
 from graphs.bench import (capacity_replays, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
                           time_large_steps, time_prefill, time_replay, weight_bytes)
-from graphs.naive import oracle_verdict
+from graphs.naive import FP8_REL_TOL, REL_TOL, oracle_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
 DEFAULT_RATIOS = (1, 2)
@@ -64,8 +71,12 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--plot", help="GPU: PNG path for the step-time plot (default: no plot)")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--time-budget", type=float, default=float("inf"), help="GPU: seconds; skip timings past it")
+    p.add_argument("--dcp", type=int, default=1,
+                   help="serve the workload under DCP over this many processes (gloo on CPU, NCCL on GPUs, one "
+                        "GPU each) and check it against the DCP=1 layer (default: 1, no DCP)")
+    p.add_argument("--interleave", type=int, default=1, help="DCP: the compressed caches' shard interleave (default: 1)")
     args = p.parse_args(argv)
-    for name in ("requests", "decode", "iters"):
+    for name in ("requests", "decode", "iters", "dcp", "interleave"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.drafts < 0:
@@ -81,6 +92,11 @@ def parse_args(argv) -> argparse.Namespace:
             cfg, cache, _ = geometry(args, ratio)
             if ratio:
                 cache.check_ratio(cfg.check_ratio(ratio))
+        if cfg.n_heads % args.dcp or cfg.o_groups % args.dcp:
+            raise ValueError(f"--dcp {args.dcp} must divide {cfg.name}'s {cfg.n_heads} heads and {cfg.o_groups} "
+                             "output groups")
+        if args.dcp > 1 and args.device.type == "cuda" and torch.cuda.device_count() < args.dcp:
+            raise ValueError(f"--dcp {args.dcp} needs {args.dcp} GPUs, this machine has {torch.cuda.device_count()}")
     except (RuntimeError, ValueError) as err:
         p.error(str(err))
     return args
@@ -243,11 +259,91 @@ def report(info: dict) -> None:
               + f" (ratio {c[-1]['replay_us'] / c[0]['replay_us']:.2f})")
 
 
+def dcp_worker(rank: int, args, store: str, out: str) -> None:
+    """One rank of ``--dcp N``: the workload through the DCP layer and through a DCP=1
+    layer with the same weights, compared token by token (outputs and top-k ids)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    world, cuda = args.dcp, args.device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+        args.device = torch.device("cuda", rank)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world)
+    group = dist.group.WORLD.group_name
+    results = {}
+    with torch.no_grad():
+        for ratio in args.ratios:
+            cfg, cache, buckets = geometry(args, ratio)
+            work = workload(args, cuda)
+            xs = hidden_states(work, cfg.dim, seed=1, device=args.device)
+            served = []
+            for dcp_cache, name in ((cache, None), (dataclasses.replace(cache, dcp_world=world,
+                                                                        dcp_interleave=args.interleave), group)):
+                layer = DSV41Attention(cfg, dcp_cache, ratio, device=args.device, dcp_group=name)
+                torch._dynamo.reset()  # each layer compiles afresh (the recompile limit counts code, not layers)
+                runner = StepRunner(layer, buckets)
+                if cuda:
+                    runner.capture()
+                counters.clear()
+                served.append(run_workload(runner.step, work, xs, watch=layer.topk_ids if ratio else None,
+                                           release=runner.release))
+                breaks = sum(counters["graph_break"].values())
+                del runner, layer
+            (want, want_ids), (got, got_ids) = served
+            scale = max(w.abs().max().item() for w in want)
+            diff = max((g - w).abs().max().item() for g, w in zip(got, want)) / scale
+            mismatched = sum(int((a != b).any(-1).sum()) for a, b in zip(got_ids, want_ids)) if ratio else 0
+            tol = REL_TOL if cache.kv_format == "bf16" else FP8_REL_TOL
+            results[ratio] = {"tokens": sum(len(w) for w in want), "max_rel_diff": diff, "id_mismatches": mismatched,
+                              "tolerance": tol, "graph_breaks": breaks,
+                              "passed": diff <= tol and mismatched == 0 and breaks == 0}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # skip interpreter finalization, where gloo's threads can abort
+
+
+def run_dcp(args) -> int:
+    """``--dcp N``: spawn the N ranks, print each layer's verdict against DCP=1."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        print(f"serving under DCP={args.dcp} (interleave {args.interleave}, "
+              f"{'NCCL' if args.device.type == 'cuda' else 'gloo'}), each ratio against the DCP=1 layer", flush=True)
+        # by its importable name: the children cannot unpickle a function of "__main__"
+        from graphs.__main__ import dcp_worker as worker
+
+        mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=args.dcp)
+        with open(out) as f:
+            results = json.load(f)
+    failed = []
+    for ratio, r in results.items():
+        verdict = "PASS" if r["passed"] else "FAIL"
+        print(f"ratio {ratio}: {verdict}: {r['tokens']} tokens, DCP={args.dcp} vs DCP=1 largest difference "
+              f"{r['max_rel_diff']:.2e} of max |y| (tolerance {r['tolerance']:g}), {r['id_mismatches']} token(s) "
+              f"with other top-k ids, {r['graph_breaks']} graph breaks (compiled, fullgraph=True)")
+        if not r["passed"]:
+            failed.append(f"ratio {ratio}")
+    print(f"\n{'FAIL: ' + ', '.join(failed) if failed else 'PASS: every layer'} (DCP={args.dcp} against DCP=1)")
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device = args.device
     deadline = time.perf_counter() + args.time_budget
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    if args.dcp > 1:
+        return run_dcp(args)
     results = {}
     for ratio in args.ratios:
         with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, kv=args.backend, indexer=args.backend):

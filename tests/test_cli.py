@@ -34,7 +34,8 @@ def exits(main, argv):
     (["--ratios", "3", "--device", "cpu"], "compress_ratio must be one of tiny's"),
     (["--decode", "0"], "--decode must be >= 1"),
     (["--device", "gpu"], "device"),
-], ids=["kv-format", "backend-off-device", "backend-unknown", "ratio", "decode", "device-name"])
+    (["--device", "cpu", "--dcp", "3"], "--dcp 3 must divide tiny's 4 heads and 2 output groups"),
+], ids=["kv-format", "backend-off-device", "backend-unknown", "ratio", "decode", "device-name", "dcp"])
 def test_graphs_rejects_bad_arguments_before_any_work(argv, says, capsys):
     status, seconds = exits(graphs_main.main, argv)
     assert status == 2 and seconds < 5
@@ -59,6 +60,16 @@ def test_graphs_ratio_128_runs_on_the_cpu(capsys):
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "compress_ratio=128" in printed and "PASS: every layer" in printed
+
+
+def test_graphs_serves_under_dcp_against_dcp1():
+    """``python -m graphs --dcp 2`` (2 gloo processes) checks the DCP layer against DCP=1."""
+    run = subprocess.run([sys.executable, "-m", "graphs", "--device", "cpu", "--dcp", "2", "--interleave", "4",
+                          "--ratios", "2", "--decode", "3", "--requests", "3"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "ratio 2: PASS" in run.stdout and "0 token(s) with other top-k ids, 0 graph breaks" in run.stdout
+    assert "PASS: every layer (DCP=2 against DCP=1)" in run.stdout
 
 
 def test_graphs_help_states_the_defaults_it_runs(capsys):

@@ -56,6 +56,9 @@ def equality_worker(rank, world, store, interleave):
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     group = dist.group.WORLD.group_name
     try:
+        if world == 4:  # TINY's 2 output groups cannot be split over 4 ranks
+            with pytest.raises(ValueError, match="must divide the heads .4. and the output groups .2."):
+                DSV41Attention(TINY, cache_for(2, world, interleave), 2, dcp_group=group)
         for ratio in (0, 1, 2, 4, 128):
             single = DSV41Attention(CFG, cache_for(ratio, 1, 1), ratio, seed=5)
             layer = DSV41Attention(CFG, cache_for(ratio, world, interleave), ratio, seed=5, dcp_group=group)
@@ -107,12 +110,14 @@ def test_a_rank_with_another_config_is_refused_on_every_rank(tmp_path):
         assert "DCP rank 1 was built with another layer than rank 0" in said and "cache.dcp_interleave = 4 vs 1" in said
 
 
-def dead_rank_worker(rank, world, store, result):
+def dead_rank_worker(rank, world, store, result, fault):
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=5))
     layer = DSV41Attention(CFG, cache_for(2, world, 1), 2, dcp_group=dist.group.WORLD.group_name)
     if rank == 1:
-        os._exit(0)  # dies before the step
+        if fault == "stalls":
+            time.sleep(10)  # past the group's 5 s timeout
+        os._exit(0)  # dies (or, stalled, gives up) before the step
     runner = StepRunner(layer, (4,), compile=False)
     start = time.perf_counter()
     try:
@@ -126,8 +131,11 @@ def dead_rank_worker(rank, world, store, result):
     os._exit(0)
 
 
-def test_a_dead_rank_makes_the_others_raise_within_the_timeout(tmp_path):
-    mp.spawn(dead_rank_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+@pytest.mark.parametrize("fault", ["dies", "stalls"])
+def test_a_dead_or_stalled_rank_makes_the_others_raise_within_the_timeout(tmp_path, fault):
+    """The step's collectives wait at most the process group's timeout (here 5 s, set at
+    ``init_process_group``), then raise on the ranks still running."""
+    mp.spawn(dead_rank_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "out"), fault), nprocs=2)
     outcome = (tmp_path / "out").read_text()
     assert outcome.startswith("raised after"), outcome
     assert float(outcome.split()[2]) < 30, outcome
