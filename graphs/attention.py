@@ -428,7 +428,7 @@ class DSV41Attention(nn.Module):
         index keys before attending, so a token sees itself and the earlier tokens of its
         chunk.
         """
-        T, H, D, rd = x.shape[0], self.n_heads, self.head_dim, self.rope_dim
+        T, D, rd = x.shape[0], self.head_dim, self.rope_dim
         cache = self.cache_cfg
         rows = step_rows(inp, cache.max_requests, cache.max_seq_len, self.compress_ratio)
         valid, pos = rows.valid, rows.pos

@@ -23,7 +23,7 @@ import torch
 
 from compile_ops.formats import read_kv
 from compile_ops.indexer.cache import read_index_keys
-from graphs import TINY, CacheConfig, DSV41Attention, LayerStep, PageAllocator, StepMetadata, StepRunner, compiled_call
+from graphs import TINY, CacheConfig, DSV41Attention, PageAllocator, StepMetadata, StepRunner
 from graphs.naive import oracle_verdict
 from graphs.schedule import Workload, hidden_states, mixed_workload, run_workload, staggered
 
