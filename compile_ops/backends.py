@@ -1,6 +1,7 @@
 """Which implementation runs an op: explicit, overridable, never read from the environment.
 
-Each op family (``"sparse_mla"``, ``"slots"``, ``"combine"``, ``"kv"``, ``"indexer"``) has backends registered in
+Each op family (``"sparse_mla"``, ``"slots"``, ``"combine"``, ``"kv"``, ``"indexer"``,
+``"linear"``) has backends registered in
 priority order, every one the same way: a name, a mapping from each of the family's ops to
 the function that runs it, a predicate that returns ``None`` when the backend can run on a device
 and format, or a *reason* string when it cannot, and optionally a second one, ``limits``,
@@ -42,6 +43,7 @@ class BackendConfig:
     combine: str = "auto"
     kv: str = "auto"
     indexer: str = "auto"
+    linear: str = "auto"
 
 
 config = BackendConfig()

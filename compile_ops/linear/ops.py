@@ -1,0 +1,69 @@
+"""``dsv41::fp8_linear``: schema, validation, fake, dispatch to the ``"linear"`` backends.
+
+The op quantizes the activations per token per 128 values
+(:func:`compile_ops.linear.quant.quantize_tokens`) and hands both FP8 operands with their
+scales to a backend, which multiplies them with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from compile_ops import backends
+from compile_ops._checks import check_tensor
+from compile_ops.linear.quant import BLOCK, dequantize_blocks, quantize_blocks, quantize_tokens
+from compile_ops.linear.reference import fp8_linear_reference
+
+
+def _check(x, weight, weight_scale):
+    check_tensor("x", x, (torch.bfloat16, torch.float32), 2)
+    check_tensor("weight", weight, torch.float8_e4m3fn, 2, x.device)
+    check_tensor("weight_scale", weight_scale, torch.float32, 2, x.device)
+    N, K = weight.shape
+    if x.shape[1] != K:
+        raise ValueError(f"x must be [M, K] with K = weight.shape[1] = {K}, got {list(x.shape)}")
+    want = (-(-N // BLOCK), -(-K // BLOCK))
+    if tuple(weight_scale.shape) != want:
+        raise ValueError(f"weight_scale must be [ceil(N/{BLOCK}), ceil(K/{BLOCK})] = {list(want)} for weight "
+                         f"[{N}, {K}], got {list(weight_scale.shape)}")
+
+
+@torch.library.custom_op("dsv41::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
+    _check(x, weight, weight_scale)
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0], dtype=torch.bfloat16)
+    xq, x_scale = quantize_tokens(x)
+    return backends.implementation("linear", "fp8_linear", x.device)(xq, x_scale, weight, weight_scale)
+
+
+@fp8_linear.register_fake
+def _(x, weight, weight_scale):
+    _check(x, weight, weight_scale)
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+
+
+fp8_linear.__doc__ = """``x @ W^T`` of a block-scaled FP8 weight, bf16 ``[M, N]`` out.
+
+``x [M, K]`` bf16 (or fp32) is quantized per token per 128 values to e4m3 with fp32
+scales (``quantize_tokens``); ``weight [N, K]`` float8_e4m3fn with ``weight_scale
+[ceil(N/128), ceil(K/128)]`` fp32 (DeepSeek's 128 x 128 blocks, ``w = weight * scale``).
+Products accumulate in fp32. Shapes follow the inputs only; no host sync. Backends: a
+Triton block-scaled FP8 GEMM on CUDA, the dequantizing plain-torch reference elsewhere.
+
+Example::
+
+    >>> import torch
+    >>> from compile_ops.linear import fp8_linear, quantize_blocks
+    >>> w, s = quantize_blocks(torch.eye(4, 256))
+    >>> fp8_linear(torch.ones(1, 256).bfloat16(), w, s).tolist()
+    [[1.0, 1.0, 1.0, 1.0]]
+"""
+
+
+backends.register_backend("linear", "triton", backends.cuda_with_triton,
+                          {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
+backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})
+
+__all__ = ["BLOCK", "dequantize_blocks", "fp8_linear", "quantize_blocks", "quantize_tokens"]

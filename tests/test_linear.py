@@ -1,0 +1,112 @@
+"""The block-scaled FP8 linear (``dsv41::fp8_linear``) on the CPU: the quantizer's error
+bound, the reference against a float64 oracle of the dequantized operands, the Triton
+kernel under the interpreter against the reference, the fake kernel (opcheck), bad
+inputs, and an sm_90 build of the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compile_ops
+from compile_ops.linear import dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
+from compile_ops.linear.quant import BLOCK, E4M3_MAX
+from test_opcheck import opcheck
+
+SHAPES = [(1, 64, 64), (3, 200, 300), (20, 128, 256), (17, 384, 130)]
+
+
+def _e4m3_bound(x: torch.Tensor, scale_per_value: torch.Tensor) -> torch.Tensor:
+    """Largest rounding error of e4m3 at ``x`` (3 mantissa bits; subnormal step 2**-9)."""
+    return 2**-4 * x.abs() + 2**-9 * scale_per_value
+
+
+@pytest.mark.parametrize("N, K", [(64, 64), (200, 300), (384, 130)])
+def test_block_quantizer_rounds_within_the_e4m3_bound(N, K):
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(N)) * torch.logspace(-3, 2, K)
+    q, scale = quantize_blocks(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (-(-N // BLOCK), -(-K // BLOCK))
+    per_value = scale.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    assert ((dequantize_blocks(q, scale) - w).abs() <= _e4m3_bound(w, per_value)).all()
+    assert (q.float().abs().amax() <= E4M3_MAX) and torch.equal(quantize_blocks(torch.zeros(3, 5))[1], torch.ones(1, 1))
+
+
+def test_token_quantizer_rounds_within_the_e4m3_bound():
+    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(1)) * 30
+    q, scale = quantize_tokens(x)
+    assert scale.shape == (7, 3)
+    back = q.float() * scale.repeat_interleave(BLOCK, 1)[:, :300]
+    assert ((back - x).abs() <= _e4m3_bound(x, scale.repeat_interleave(BLOCK, 1)[:, :300])).all()
+
+
+@pytest.mark.parametrize("M, N, K", SHAPES)
+def test_reference_equals_the_float64_product_of_the_quantized_operands(M, N, K):
+    gen = torch.Generator().manual_seed(M * N)
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    wq, ws = quantize_blocks(torch.randn(N, K, generator=gen) / K**0.5)
+    with compile_ops.use_backends(linear="reference"):
+        got = fp8_linear(x, wq, ws)
+    xq, xs = quantize_tokens(x)
+    oracle = (xq.double() * xs.double().repeat_interleave(BLOCK, 1)[:, :K]) @ dequantize_blocks(wq, ws).double().t()
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    assert ((got.double() - oracle).abs() <= 2**-8 * oracle.abs() + 1e-5).all()  # one bf16 rounding
+
+
+@pytest.mark.parametrize("M, N, K", SHAPES)
+def test_triton_kernel_equals_the_reference(M, N, K):
+    from compile_ops.linear.reference import fp8_linear_reference
+    from compile_ops.linear.triton import fp8_linear_triton
+
+    gen = torch.Generator().manual_seed(K)
+    xq, xs = quantize_tokens(torch.randn(M, K, generator=gen))
+    wq, ws = quantize_blocks(torch.randn(N, K, generator=gen) / K**0.5)
+    want = fp8_linear_reference(xq, xs, wq, ws).float()
+    got = fp8_linear_triton(xq, xs, wq, ws).float()
+    assert ((got - want).abs() <= 2**-7 * want.abs().max()).all()  # summation order + one bf16 rounding
+
+
+def test_fake_kernel_and_schema():
+    wq, ws = quantize_blocks(torch.randn(130, 200))
+    opcheck(torch.ops.dsv41.fp8_linear.default, (torch.randn(5, 200).bfloat16(), wq, ws))
+
+
+@pytest.mark.parametrize("args, says", [
+    (lambda w, s: (torch.randn(2, 199).bfloat16(), w, s), "x must be \\[M, K\\] with K = weight.shape\\[1\\] = 200"),
+    (lambda w, s: (torch.randn(2, 200).bfloat16(), w, s[:, :1]), "weight_scale must be \\[ceil\\(N/128\\)"),
+    (lambda w, s: (torch.randn(2, 200).bfloat16(), w.float(), s), "weight"),
+], ids=["K", "scale-shape", "weight-dtype"])
+def test_bad_inputs_are_refused(args, says):
+    wq, ws = quantize_blocks(torch.randn(130, 200))
+    with pytest.raises((ValueError, TypeError), match=says):
+        fp8_linear(*args(wq, ws))
+
+
+SM90_BUILD = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from compile_ops.linear import triton as kernels
+signature = {"a": "*fp8e4nv", "a_s": "*fp32", "b": "*fp8e4nv", "b_s": "*fp32", "c": "*bf16", "M": "i32", "N": "i32",
+             "K": "i32", "stride_am": "i32", "stride_as": "i32", "stride_bn": "i32", "stride_bs": "i32",
+             "stride_cm": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr"}
+names = list(signature)
+for bm in (16, 64):
+    constants = {(names.index(k),): v for k, v in (("BM", bm), ("BN", 128), ("BK", 128), ("ITERS", 0))}
+    ptx = triton.compile(ASTSource(kernels._fp8_gemm_kernel, signature, constants),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(bm, "wgmma" in ptx or "mma.sync" in ptx)
+"""
+
+
+def test_kernel_builds_for_sm90():
+    """The launches the GPU runs (BM 16 and 64), compiled for sm_90 without a GPU: in a
+    process of its own, since the interpreter (TRITON_INTERPRET=1 here) patches Triton's
+    language module for the whole process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", SM90_BUILD], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["16", "True", "64", "True"], run.stdout  # tensor-core MMAs
