@@ -29,8 +29,10 @@ import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
 from compile_ops.formats import new_cache
 from compile_ops.indexer.cache import INDEX_DIM, new_index_cache
 from compile_ops.dcp import all_gather_heads
+from compile_ops.linear import BLOCK, quantize_blocks
 from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
+from graphs.fp8 import Fp8Linear
 from graphs.metadata import StepInputs, step_inputs
 from graphs.rope import apply_rope, rope_tables, yarn_inv_freq
 
@@ -247,16 +249,17 @@ class Indexer(nn.Module):
     """
 
     def __init__(self, cfg: AttentionConfig, cache: CacheConfig, ratio: int, device=None,
-                 dcp_group: Optional[str] = None) -> None:
+                 dcp_group: Optional[str] = None, linear=None) -> None:
         super().__init__()
         self.dcp_group, self.interleave = dcp_group, cache.dcp_interleave
+        linear = linear or (lambda i, o: nn.Linear(i, o, bias=False, dtype=torch.bfloat16, device=device))
         if cfg.index_head_dim != INDEX_DIM:
             raise ValueError(f"the indexer ops take {INDEX_DIM}-wide keys, got index_head_dim {cfg.index_head_dim}")
         self.ratio = ratio
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.rope_head_dim
         self.topk = min(cfg.index_topk, cache.max_entries(ratio))
         self.index_format = cache.index_format
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=torch.bfloat16, device=device)
+        self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=torch.bfloat16, device=device)
         self.compressor = Compressor(cfg, ratio, self.head_dim, cfg.overlaps(ratio), cache, device)
         keys = new_index_cache(cache.index_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
@@ -311,7 +314,7 @@ class DSV41Attention(nn.Module):
     """
 
     def __init__(self, cfg: AttentionConfig, cache: CacheConfig, compress_ratio: int, device=None, seed: int = 0,
-                 dcp_group: Optional[str] = None) -> None:
+                 dcp_group: Optional[str] = None, weights: str = "bf16") -> None:
         super().__init__()
         self.cfg, self.cache_cfg = cfg, cache
         self.compress_ratio = ratio = cache.check_ratio(cfg.check_ratio(compress_ratio)) if compress_ratio else 0
@@ -325,17 +328,30 @@ class DSV41Attention(nn.Module):
         # output groups, wo_b's input groups; everything else is replicated
         self.shards = {"wq_b.weight": (0, H // N * D), "wo_a.weight": (0, G // N * cfg.o_lora_rank),
                        "wo_b.weight": (1, G // N * cfg.o_lora_rank)} if N > 1 else {}
+        if weights not in ("bf16", "fp8"):
+            raise ValueError(f"weights must be 'bf16' or 'fp8' (DeepSeek's 128 x 128 block-scaled FP8), got {weights!r}")
+        self.weights = weights
+        if weights == "fp8":
+            if cfg.o_lora_rank % BLOCK or any(size % BLOCK for _, size in self.shards.values()):
+                raise ValueError(f"FP8 weights need o_lora_rank ({cfg.o_lora_rank}) and every DCP shard of the "
+                                 f"projections to be multiples of the {BLOCK}-row scale blocks")
+            self.shards.update({k[: -len("weight")] + "scale": (d, n // BLOCK) for k, (d, n) in self.shards.items()})
+
+        def linear(i: int, o: int) -> nn.Module:
+            if weights == "fp8":
+                return Fp8Linear(i, o, device)
+            return nn.Linear(i, o, bias=False, dtype=bf16, device=device)
 
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))  # all heads: rank 0 attends them
-        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False, dtype=bf16, device=device)
+        self.wq_a = linear(cfg.dim, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H // N * D, bias=False, dtype=bf16, device=device)
-        self.wkv = nn.Linear(cfg.dim, D, bias=False, dtype=bf16, device=device)
+        self.wq_b = linear(cfg.q_lora_rank, H // N * D)
+        self.wkv = linear(cfg.dim, D)
         self.kv_norm = RMSNorm(D, cfg.norm_eps, device)
-        self.wo_a = nn.Linear(H * D // G, G // N * cfg.o_lora_rank, bias=False, dtype=bf16, device=device)
-        self.wo_b = nn.Linear(G // N * cfg.o_lora_rank, cfg.dim, bias=False, dtype=bf16, device=device)
+        self.wo_a = linear(H * D // G, G // N * cfg.o_lora_rank)
+        self.wo_b = linear(G // N * cfg.o_lora_rank, cfg.dim)
         self.compressor = Compressor(cfg, ratio, D, cfg.overlaps(ratio), cache, device) if ratio else None
-        self.indexer = Indexer(cfg, cache, ratio, device, self.dcp_group) if cfg.has_indexer(ratio) else None
+        self.indexer = Indexer(cfg, cache, ratio, device, self.dcp_group, linear) if cfg.has_indexer(ratio) else None
         self._register_load_state_dict_pre_hook(self._shard_full_weights)
 
         if ratio:  # compressed layers use the compress theta with YaRN, SWA-only layers neither
@@ -372,6 +388,8 @@ class DSV41Attention(nn.Module):
         drawn at their full (DCP=1) shapes, so every rank holds its shard of one layer."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in sorted(self.named_parameters()):
+            if name.endswith(".scale"):  # set with its FP8 weight below
+                continue
             shape = self.full_shape(name, p)
             if name.endswith("norm.weight"):
                 value = 1 + 0.1 * torch.randn(shape, generator=gen)
@@ -379,7 +397,13 @@ class DSV41Attention(nn.Module):
                 value = 0.5 * torch.randn(shape, generator=gen)
             else:
                 value = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
-            p.copy_(self.shard(name, value))
+            value = self.shard(name, value)
+            if p.dtype == torch.float8_e4m3fn:  # the bf16 layer of this seed, quantized
+                q, scale = quantize_blocks(value.to(torch.bfloat16))
+                p.copy_(q)
+                self.get_parameter(name[: -len("weight")] + "scale").copy_(scale)
+            else:
+                p.copy_(value)
 
     def full_shape(self, name: str, p: Tensor) -> tuple[int, ...]:
         """The DCP=1 shape of parameter ``name`` (``p`` its local shard)."""
@@ -481,16 +505,19 @@ class DSV41Attention(nn.Module):
         )
         if self.dcp_group is not None:
             o, _ = torch.ops.dsv41.dcp_combine(o, lse, self.dcp_group, "ag_rs")  # this rank's heads
-        groups = self.local_groups
-        wo_a = self.wo_a.weight.view(groups, self.cfg.o_lora_rank, -1)
-        # One GEMM per group, batched over groups: [G, T, H*D/G] @ [G, H*D/G, o_lora]. (A
-        # matmul broadcasting wo_a over tokens would copy the 67 MB weight once per token.)
+        groups, lora = self.local_groups, self.cfg.o_lora_rank
         o = _rope_last(o, rd, cos, sin, inverse=True)
-        o = torch.bmm(o.view(T, groups, -1).transpose(0, 1), wo_a.transpose(1, 2))  # [G, T, o_lora]
-        # Gather the groups back token-major into a fresh contiguous [T, G, o_lora] tensor;
-        # ``reshape`` of the transposed view would add a guard on T == 1.
-        flat = o.new_empty(T, groups, o.shape[-1])
-        flat.copy_(o.transpose(0, 1))
+        if isinstance(self.wo_a, Fp8Linear):  # the grouped FP8 GEMM: group g's heads times its rows of wo_a
+            flat = torch.ops.dsv41.fp8_linear(o.view(T, -1), self.wo_a.weight, self.wo_a.scale, groups)
+        else:
+            wo_a = self.wo_a.weight.view(groups, lora, -1)
+            # One GEMM per group, batched over groups: [G, T, H*D/G] @ [G, H*D/G, o_lora]. (A
+            # matmul broadcasting wo_a over tokens would copy the 67 MB weight once per token.)
+            o = torch.bmm(o.view(T, groups, -1).transpose(0, 1), wo_a.transpose(1, 2))  # [G, T, o_lora]
+            # Gather the groups back token-major into a fresh contiguous [T, G, o_lora] tensor;
+            # ``reshape`` of the transposed view would add a guard on T == 1.
+            flat = o.new_empty(T, groups, o.shape[-1])
+            flat.copy_(o.transpose(0, 1))
         y = self.wo_b(flat.view(T, -1))
         if self.dcp_group is not None:  # each rank's output groups: the sum is the layer's output
             c10d = torch.ops._c10d_functional

@@ -65,16 +65,39 @@ def test_triton_kernel_equals_the_reference(M, N, K):
     assert ((got - want).abs() <= 2**-7 * want.abs().max()).all()  # summation order + one bf16 rounding
 
 
+@pytest.mark.parametrize("M", [1, 19])
+def test_grouped_linear_equals_one_linear_per_group(M):
+    """``groups = 4``: output columns of group g are x's K columns of group g times W_g."""
+    from compile_ops.linear.reference import fp8_linear_reference
+    from compile_ops.linear.triton import fp8_linear_triton
+
+    gen = torch.Generator().manual_seed(M)
+    G, N, K = 4, 128, 256
+    x = torch.randn(M, G * K, generator=gen).bfloat16()
+    wq, ws = quantize_blocks(torch.randn(G * N, K, generator=gen) / K**0.5)
+    with compile_ops.use_backends(linear="reference"):
+        grouped = fp8_linear(x, wq, ws, 4)
+        per_group = torch.cat([fp8_linear(x[:, g * K:(g + 1) * K], wq[g * N:(g + 1) * N], ws[g:g + 1]) for g in range(G)], 1)
+    assert torch.equal(grouped, per_group)
+    xq, xs = quantize_tokens(x)
+    got = fp8_linear_triton(xq, xs, wq, ws, 4).float()
+    want = fp8_linear_reference(xq, xs, wq, ws, 4).float()
+    assert ((got - want).abs() <= 2**-7 * want.abs().max()).all()
+
+
 def test_fake_kernel_and_schema():
     wq, ws = quantize_blocks(torch.randn(130, 200))
     opcheck(torch.ops.dsv41.fp8_linear.default, (torch.randn(5, 200).bfloat16(), wq, ws))
+    wq, ws = quantize_blocks(torch.randn(256, 128))
+    opcheck(torch.ops.dsv41.fp8_linear.default, (torch.randn(3, 256).bfloat16(), wq, ws, 2))
 
 
 @pytest.mark.parametrize("args, says", [
-    (lambda w, s: (torch.randn(2, 199).bfloat16(), w, s), "x must be \\[M, K\\] with K = weight.shape\\[1\\] = 200"),
+    (lambda w, s: (torch.randn(2, 199).bfloat16(), w, s), "x must be \\[M, groups \\* K\\] with K = weight.shape\\[1\\] = 200"),
+    (lambda w, s: (torch.randn(2, 400).bfloat16(), w, s, 2), "whole 128-blocks per group"),
     (lambda w, s: (torch.randn(2, 200).bfloat16(), w, s[:, :1]), "weight_scale must be \\[ceil\\(N/128\\)"),
     (lambda w, s: (torch.randn(2, 200).bfloat16(), w.float(), s), "weight"),
-], ids=["K", "scale-shape", "weight-dtype"])
+], ids=["K", "groups-blocks", "scale-shape", "weight-dtype"])
 def test_bad_inputs_are_refused(args, says):
     wq, ws = quantize_blocks(torch.randn(130, 200))
     with pytest.raises((ValueError, TypeError), match=says):
@@ -88,7 +111,7 @@ from triton.compiler import ASTSource
 from compile_ops.linear import triton as kernels
 signature = {"a": "*fp8e4nv", "a_s": "*fp32", "b": "*fp8e4nv", "b_s": "*fp32", "c": "*bf16", "M": "i32", "N": "i32",
              "K": "i32", "stride_am": "i32", "stride_as": "i32", "stride_bn": "i32", "stride_bs": "i32",
-             "stride_cm": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr"}
+             "stride_cm": "i32", "GROUP_N": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr"}
 names = list(signature)
 for bm in (16, 64):
     constants = {(names.index(k),): v for k, v in (("BM", bm), ("BN", 128), ("BK", 128), ("ITERS", 0))}

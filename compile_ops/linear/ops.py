@@ -16,13 +16,19 @@ from compile_ops.linear.quant import BLOCK, dequantize_blocks, quantize_blocks, 
 from compile_ops.linear.reference import fp8_linear_reference
 
 
-def _check(x, weight, weight_scale):
+def _check(x, weight, weight_scale, groups):
     check_tensor("x", x, (torch.bfloat16, torch.float32), 2)
     check_tensor("weight", weight, torch.float8_e4m3fn, 2, x.device)
     check_tensor("weight_scale", weight_scale, torch.float32, 2, x.device)
     N, K = weight.shape
-    if x.shape[1] != K:
-        raise ValueError(f"x must be [M, K] with K = weight.shape[1] = {K}, got {list(x.shape)}")
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups must be an int >= 1, got {groups!r}")
+    if groups > 1 and (N % (groups * BLOCK) or K % BLOCK):
+        raise ValueError(f"with groups={groups}, weight [{N}, {K}] must hold whole {BLOCK}-blocks per group: "
+                         f"N / groups and K multiples of {BLOCK}")
+    if x.shape[1] != groups * K:
+        raise ValueError(f"x must be [M, groups * K] with K = weight.shape[1] = {K}, groups = {groups}, "
+                         f"got {list(x.shape)}")
     want = (-(-N // BLOCK), -(-K // BLOCK))
     if tuple(weight_scale.shape) != want:
         raise ValueError(f"weight_scale must be [ceil(N/{BLOCK}), ceil(K/{BLOCK})] = {list(want)} for weight "
@@ -30,21 +36,26 @@ def _check(x, weight, weight_scale):
 
 
 @torch.library.custom_op("dsv41::fp8_linear", mutates_args=())
-def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
-    _check(x, weight, weight_scale)
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, groups: int = 1) -> Tensor:
+    _check(x, weight, weight_scale, groups)
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0], dtype=torch.bfloat16)
     xq, x_scale = quantize_tokens(x)
-    return backends.implementation("linear", "fp8_linear", x.device)(xq, x_scale, weight, weight_scale)
+    return backends.implementation("linear", "fp8_linear", x.device)(xq, x_scale, weight, weight_scale, groups)
 
 
 @fp8_linear.register_fake
-def _(x, weight, weight_scale):
-    _check(x, weight, weight_scale)
+def _(x, weight, weight_scale, groups=1):
+    _check(x, weight, weight_scale, groups)
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
 
 
 fp8_linear.__doc__ = """``x @ W^T`` of a block-scaled FP8 weight, bf16 ``[M, N]`` out.
+
+With ``groups = G > 1`` it is a grouped projection: ``x [M, G * K]``, ``weight [N, K]``
+holds ``G`` stacked ``[N / G, K]`` weights, and output columns ``g * N / G ..`` are
+``x[:, g * K : (g + 1) * K] @ W_g^T`` (the attention layer's ``wo_a``; ``N / G`` and ``K``
+whole 128-blocks).
 
 ``x [M, K]`` bf16 (or fp32) is quantized per token per 128 values to e4m3 with fp32
 scales (``quantize_tokens``); ``weight [N, K]`` float8_e4m3fn with ``weight_scale

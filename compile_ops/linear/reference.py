@@ -8,7 +8,12 @@ from compile_ops.linear.quant import BLOCK, dequantize_blocks
 
 
 def fp8_linear_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-                         weight_scale: torch.Tensor) -> torch.Tensor:
-    """``(xq * x_scale) @ (weight * weight_scale)^T`` in fp32, bf16 ``[M, N]`` out."""
+                         weight_scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """``(xq * x_scale) @ (weight * weight_scale)^T`` in fp32 (per group), bf16 ``[M, N]`` out."""
     x = xq.float() * x_scale.repeat_interleave(BLOCK, dim=1)[:, : xq.shape[1]]
-    return (x @ dequantize_blocks(weight, weight_scale).t()).to(torch.bfloat16)
+    w = dequantize_blocks(weight, weight_scale)
+    if groups == 1:
+        return (x @ w.t()).to(torch.bfloat16)
+    M, (N, K) = x.shape[0], w.shape
+    out = torch.einsum("mgk,gnk->mgn", x.view(M, groups, K), w.view(groups, N // groups, K))
+    return out.reshape(M, N).to(torch.bfloat16)

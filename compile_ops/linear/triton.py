@@ -20,7 +20,7 @@ from compile_ops.linear.quant import BLOCK
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a, a_s, b, b_s, c, M, N, K, stride_am, stride_as, stride_bn, stride_bs, stride_cm,
+    a, a_s, b, b_s, c, M, N, K, stride_am, stride_as, stride_bn, stride_bs, stride_cm, GROUP_N,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr,
 ):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
@@ -28,6 +28,11 @@ def _fp8_gemm_kernel(
     o_n = i_n * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
     m_m, m_n = o_m < M, o_n < N
+    # grouped: this tile's output columns belong to group (i_n * BN) // GROUP_N, which reads
+    # its own K columns of A and their scales (BN divides GROUP_N)
+    i_g = (i_n * BN) // GROUP_N
+    a += i_g.to(tl.int64) * K
+    a_s += i_g * tl.cdiv(K, BK)
     acc = tl.zeros([BM, BN], tl.float32)
     steps = ITERS if ITERS > 0 else tl.cdiv(K, BK)
     for i in range(0, steps):
@@ -44,11 +49,11 @@ def _fp8_gemm_kernel(
 
 
 def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
-                      weight_scale: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[M, N]`` of e4m3 ``xq [M, K]`` (scales ``[M, ceil(K/128)]``) times e4m3
-    ``weight [N, K]`` (scales ``[ceil(N/128), ceil(K/128)]``) transposed."""
-    M, K = xq.shape
-    N = weight.shape[0]
+                      weight_scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """bf16 ``[M, N]`` of e4m3 ``xq [M, groups * K]`` (scales ``[M, ceil(groups * K / 128)]``)
+    times e4m3 ``weight [N, K]`` (scales ``[ceil(N/128), ceil(K/128)]``) transposed, per group."""
+    M = xq.shape[0]
+    N, K = weight.shape
     xq, weight = xq.contiguous(), weight.contiguous()
     x_scale, weight_scale = x_scale.contiguous(), weight_scale.contiguous()
     out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device)
@@ -56,7 +61,7 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     BN = BLOCK
     launchable(_fp8_gemm_kernel, xq)[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
         xq, x_scale, weight, weight_scale, out, M, N, K, xq.stride(0), x_scale.stride(0), weight.stride(0),
-        weight_scale.stride(0), out.stride(0),
+        weight_scale.stride(0), out.stride(0), N // groups,
         BM=BM, BN=BN, BK=BLOCK, ITERS=triton.cdiv(K, BLOCK) if INTERPRET else 0,
     )
     return out
