@@ -5,6 +5,8 @@
   is one serving step of any mix of prefill chunks, decode and draft tokens, graph-safe.
 * :class:`StepMetadata` / :class:`StepInputs` / :func:`step_inputs` -- step metadata in
   static buffers.
+* :class:`Fp8Linear` (``graphs.fp8``) -- DeepSeek's block-scaled FP8 projections, loaded
+  from either checkpoint naming (``DSV41Attention(..., weights="fp8")``).
 * :class:`PageAllocator` / :class:`PagePool` -- host-side pages of the caches' pools, as an
   engine would own them.
 * :class:`LayerStep` / :class:`StepRunner` -- the step as one module; compile, capture one
@@ -16,6 +18,7 @@
 """
 
 from graphs.attention import Compressor, DSV41Attention, Indexer, RMSNorm, StepRows
+from graphs.fp8 import Fp8Linear
 from graphs.config import PRESETS, TINY, V4_FLASH, V4_PRO, V41_FLASH, AttentionConfig, CacheConfig
 from graphs.memory import buffer_bytes
 from graphs.metadata import StepInputs, StepMetadata, step_inputs
@@ -28,6 +31,7 @@ __all__ = [
     "Compressor",
     "DEFAULT_BUCKETS",
     "DSV41Attention",
+    "Fp8Linear",
     "Indexer",
     "LayerStep",
     "PRESETS",

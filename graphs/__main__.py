@@ -30,6 +30,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,9 +41,10 @@ import torch
 import compile_ops
 from compile_ops.formats import KV_FORMATS
 from graphs import DEFAULT_BUCKETS, PRESETS, TINY, V41_FLASH, CacheConfig, DSV41Attention, StepRunner, buffer_bytes
-from graphs.bench import (capacity_replays, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
+from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
                           time_large_steps, time_prefill, time_replay, weight_bytes)
-from graphs.naive import FP8_REL_TOL, REL_TOL, oracle_verdict
+from graphs.fp8 import FP8_WEIGHTS_REL_TOL, dequantized_state_dict
+from graphs.naive import FP8_CACHE_REL_TOL, REL_TOL, oracle_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
 DEFAULT_RATIOS = (1, 2)
@@ -71,6 +73,9 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--plot", help="GPU: PNG path for the step-time plot (default: no plot)")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--time-budget", type=float, default=float("inf"), help="GPU: seconds; skip timings past it")
+    p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                   help="projection weights: bf16, or DeepSeek's 128x128 block-scaled fp8, checked against the bf16 "
+                        "layer with the dequantized weights (the tiny config then has o_lora_rank 128) (default: bf16)")
     p.add_argument("--dcp", type=int, default=1,
                    help="serve the workload under DCP over this many processes (gloo on CPU, NCCL on GPUs, one "
                         "GPU each) and check it against the DCP=1 layer (default: 1, no DCP)")
@@ -106,6 +111,8 @@ def geometry(args, ratio):
     """(model dims, cache geometry, buckets) of the layer of ``ratio`` on ``args.device``."""
     cuda = args.device.type == "cuda"
     cfg = PRESETS[args.preset] if args.preset else (V41_FLASH if cuda else TINY)
+    if args.weights == "fp8" and cfg.o_lora_rank % 128:
+        cfg = dataclasses.replace(cfg, o_lora_rank=128)  # the grouped wo_a in whole 128-row scale blocks
     rewind = max(args.drafts, 1)
     if cuda:
         cache = CacheConfig(max_requests=64, max_tokens=8192, max_seq_len=LONG + 8192, page_size=64,
@@ -141,8 +148,9 @@ def run_layer(args, ratio, deadline) -> dict:
     if cuda:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated(device)
-    layer = DSV41Attention(cfg, cache, ratio, device=device)
-    info = {"config": cfg.name, "ratio": ratio, "kv_format": cache.kv_format, "buckets": buckets}
+    layer = DSV41Attention(cfg, cache, ratio, device=device, weights=args.weights)
+    info = {"config": cfg.name, "ratio": ratio, "kv_format": cache.kv_format, "weights": args.weights,
+            "buckets": buckets}
     if cuda:
         torch.cuda.synchronize()
         formula = buffer_bytes(cfg, cache, ratio, device)
@@ -167,29 +175,59 @@ def run_layer(args, ratio, deadline) -> dict:
     xs = hidden_states(work, cfg.dim, seed=1, device=device)
     with torch.no_grad():
         outs, topk = run_workload(runner.step, work, xs, watch=layer.topk_ids if ratio else None, release=runner.release)
-    progress(ratio, start, "checking every token against the full-history oracle")
-    verdict = oracle_verdict(layer, xs, outs, topk)
     info.update(graph_breaks=sum(counters["graph_break"].values()), dynamo_graphs=counters["stats"]["unique_graphs"],
                 cuda_graphs_captured=len(runner.graphs),
                 backends={f: compile_ops.backend_for(f, device, cache.kv_format) for f in OP_FAMILIES},
-                workload={"requests": len(work.lengths), "steps": len(work.steps), **kinds},
-                oracle=verdict.__dict__, passed=verdict.passed, verdict=verdict.verdict())
+                workload={"requests": len(work.lengths), "steps": len(work.steps), **kinds})
+    twin = None
+    if args.weights == "fp8":  # the bf16 layer with the dequantized weights: the FP8 layer's meaning
+        progress(ratio, start, "serving the same workload through the bf16 layer with the dequantized weights")
+        twin = DSV41Attention(cfg, cache, ratio, device=device)
+        twin.load_state_dict(dequantized_state_dict(layer.state_dict()), strict=True)
+        eager = StepRunner(twin, buckets, compile=False, cuda_graphs=False)
+        with torch.no_grad():
+            want, want_ids = run_workload(eager.step, work, xs, watch=twin.topk_ids if ratio else None,
+                                          release=eager.release)
+        fp8 = pick_matched(outs, want, topk if layer.indexer is not None else None,
+                           want_ids if layer.indexer is not None else None,
+                           tolerance=FP8_WEIGHTS_REL_TOL, min_share=0.8)
+        info["fp8_vs_bf16"] = fp8.__dict__
+        info["fp8_verdict"] = fp8.verdict("fp8 weights vs the dequantized bf16 layer")
+        oracle_layer, outs, topk = twin, want, want_ids
+    else:
+        oracle_layer = layer
+    progress(ratio, start, "checking every token against the full-history oracle")
+    verdict = oracle_verdict(oracle_layer, xs, outs, topk)
+    info.update(oracle=verdict.__dict__, verdict=verdict.verdict(),
+                passed=verdict.passed and (twin is None or fp8.passed))
     if cuda:
-        time_gpu(args, runner, info, start, deadline)
+        time_gpu(args, runner, info, start, deadline, twin)
     return info
 
 
-def time_gpu(args, runner: StepRunner, info: dict, start: float, deadline: float) -> None:
-    """The GPU measurements of one layer (each skipped once ``deadline`` has passed)."""
+def time_gpu(args, runner: StepRunner, info: dict, start: float, deadline: float, bf16_twin=None) -> None:
+    """The GPU measurements of one layer (each skipped once ``deadline`` has passed); with
+    FP8 weights, the decode rows of the bf16 twin too, each with its weight-read floor."""
     layer, ratio = runner.layer, runner.layer.compress_ratio
     late = lambda: time.perf_counter() > deadline  # noqa: E731
     fill_random(layer)
     eager = eager_twin(layer, runner.buckets)
+    batches = [1, 2, 4, 8, 16, 32, 64]
     if not late():
         progress(ratio, start, "decode step times per batch at 1024 tokens")
-        info["rows"] = time_batches(runner, eager, [1, 2, 4, 8, 16, 32, 64], 1024, iters=args.iters,
+        info["rows"] = time_batches(runner, eager, batches, 1024, iters=args.iters,
                                     replay_iters=5 * args.iters, profile_batches={1, 64}, deadline=deadline)
+        info["weight_floor_us"] = round(weight_bytes(layer) / COPY_BYTES_PER_S * 1e6, 1)
     del eager
+    if bf16_twin is not None and not late():
+        progress(ratio, start, "the bf16 layer's decode step times, compiled and captured")
+        twin = StepRunner(bf16_twin, runner.buckets)
+        twin.capture()
+        fill_random(bf16_twin)
+        info["rows_bf16"] = time_batches(twin, eager_twin(bf16_twin, runner.buckets), batches, 1024, iters=args.iters,
+                                         replay_iters=5 * args.iters, profile_batches={1, 64}, deadline=deadline)
+        info["weight_floor_bf16_us"] = round(weight_bytes(bf16_twin) / COPY_BYTES_PER_S * 1e6, 1)
+        del twin
     if not late():
         progress(ratio, start, "steps of 512..8192 tokens: host vs wall time")
         info["large_steps"] = time_large_steps(runner, [512, 1024, 2048, 4096, 8192])
@@ -221,6 +259,8 @@ def report(info: dict) -> None:
     print(f"workload: {w['requests']} requests, {w['steps']} steps ({w['prefill']} prefill chunks, {w['decode']} "
           f"decode tokens, {w['draft']} multi-token steps)")
     print(f"verdict: {info['verdict']}")
+    if "fp8_verdict" in info:
+        print(f"        {info['fp8_verdict']}")
     mem = info.get("memory")
     if mem:
         print(f"layer memory ({mem['max_requests']} rows x {mem['max_seq_len']} tokens): measured "
@@ -237,6 +277,11 @@ def report(info: dict) -> None:
             if r.get("top_kernels"):
                 print(f"costliest kernels at batch {r['batch']} (us): "
                       + "; ".join(f"{name} {us}" for name, us in r["top_kernels"][:5]))
+    if info.get("rows_bf16"):
+        print(f"decode replay (us), fp8 weights (weight-read floor {info['weight_floor_us']} us) vs bf16 weights "
+              f"(floor {info['weight_floor_bf16_us']} us):")
+        for f, b in zip(rows, info["rows_bf16"]):
+            print(f"{f['batch']:>6} fp8 {f['replay_us']:8.1f}   bf16 {b['replay_us']:8.1f}")
     for r in info.get("large_steps", []):
         print(f"steps of {r['tokens']} tokens ({'graph' if r['graph'] else 'compiled, no graph'}), back to back: host "
               f"{r['host_us']} us, wall {r['wall_us']} us per step")
@@ -297,7 +342,7 @@ def dcp_worker(rank: int, args, store: str, out: str) -> None:
             scale = max(w.abs().max().item() for w in want)
             diff = max((g - w).abs().max().item() for g, w in zip(got, want)) / scale
             mismatched = sum(int((a != b).any(-1).sum()) for a, b in zip(got_ids, want_ids)) if ratio else 0
-            tol = REL_TOL if cache.kv_format == "bf16" else FP8_REL_TOL
+            tol = REL_TOL if cache.kv_format == "bf16" else FP8_CACHE_REL_TOL
             results[ratio] = {"tokens": sum(len(w) for w in want), "max_rel_diff": diff, "id_mismatches": mismatched,
                               "tolerance": tol, "graph_breaks": breaks,
                               "passed": diff <= tol and mismatched == 0 and breaks == 0}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -280,6 +281,46 @@ def capacity_replays(cfg: AttentionConfig, ratio: int, device, *, batch: int = 6
         del runner, layer
         torch.cuda.empty_cache()
     return out
+
+
+@dataclass(frozen=True)
+class PickMatched:
+    """Two runs of one workload compared where they pick the same top-k ids: ``worst`` is
+    the largest output difference over those tokens relative to the reference's largest
+    ``|y|``, ``share`` the fraction of tokens that pick the same ids (``1`` without an
+    indexer); passes at ``worst <= tolerance`` and ``share >= min_share``."""
+
+    tokens: int
+    worst: float
+    share: float
+    tolerance: float
+    min_share: float
+
+    @property
+    def passed(self) -> bool:
+        return self.worst <= self.tolerance and self.share >= self.min_share
+
+    def verdict(self, what: str) -> str:
+        return (f"{'PASS' if self.passed else 'FAIL'}: {what}: {self.tokens} tokens, {100 * self.share:.1f} % pick the "
+                f"same ids (at least {100 * self.min_share:.0f} %), largest difference among them {self.worst:.2e} of "
+                f"max |y| (tolerance {self.tolerance:g})")
+
+
+def pick_matched(got, want, got_ids=None, want_ids=None, *, tolerance: float, min_share: float) -> PickMatched:
+    """:class:`PickMatched` of per-request outputs ``[n_q, dim]`` and top-k ids ``[n_q, K]``
+    (``None``: compare every token). A token whose near-tied scores pick another entry in
+    one run attends other rows, which no output tolerance covers."""
+    scale = max(w.float().abs().max().item() for w in want if w.numel())
+    worst, same, tokens = 0.0, 0, 0
+    for q, (g, w) in enumerate(zip(got, want)):
+        if got_ids is None:
+            alike = torch.ones(g.shape[0], dtype=torch.bool, device=g.device)
+        else:
+            alike = (got_ids[q].sort(-1).values == want_ids[q].sort(-1).values).all(-1)
+        if alike.any():
+            worst = max(worst, (g.float() - w.float())[alike].abs().max().item() / scale)
+        same, tokens = same + int(alike.sum()), tokens + alike.numel()
+    return PickMatched(tokens, worst, same / max(tokens, 1), tolerance, min_share)
 
 
 def eager_twin(layer: DSV41Attention, buckets) -> StepRunner:

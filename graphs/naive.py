@@ -131,7 +131,7 @@ def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[S
 # activations; with fp8 caches an ulp of bf16 difference before quantization can move an
 # e4m3 value by a step (2**-3 relative), and later tokens attend those rows, so twice that.
 REL_TOL = 2e-2
-FP8_REL_TOL = 4e-2
+FP8_CACHE_REL_TOL = 4e-2
 # An index score of the layer is off by at most this much of its magnitude bound
 # (naive_index_scores(magnitude=True)): e4m3 q and keys, 2**-4 each, plus the bf16
 # rotation, 2**-8 each (fp8); the bf16 rotation and keys (bf16).
@@ -144,7 +144,7 @@ class OracleVerdict:
 
     ``tokens``: tokens compared; ``max_rel_diff``: the largest output difference relative
     to the oracle's largest ``|y|`` (given the layer's own top-k picks), passing at
-    ``tolerance`` (:data:`REL_TOL` for bf16 caches, :data:`FP8_REL_TOL` for fp8 ones);
+    ``tolerance`` (:data:`REL_TOL` for bf16 caches, :data:`FP8_CACHE_REL_TOL` for fp8 ones);
     ``pick_errors``:
     tokens whose picks are not the oracle's top-k up to :data:`SCORE_ROUNDING` (a left-out
     entry scores surely higher than a picked one, or the count is wrong).
@@ -187,4 +187,4 @@ def oracle_verdict(layer: DSV41Attention, xs: Sequence[Tensor], outs: Sequence[T
             if ok and left_out:
                 ok = bool((scores[p, left_out] - bound[p, left_out]).max() <= (scores[p, ids] + bound[p, ids]).min())
             errors += not ok
-    return OracleVerdict(tokens, worst, errors, REL_TOL if layer.kv_format == "bf16" else FP8_REL_TOL)
+    return OracleVerdict(tokens, worst, errors, REL_TOL if layer.kv_format == "bf16" else FP8_CACHE_REL_TOL)

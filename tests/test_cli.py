@@ -72,6 +72,14 @@ def test_graphs_serves_under_dcp_against_dcp1():
     assert "PASS: every layer (DCP=2 against DCP=1)" in run.stdout
 
 
+def test_graphs_checks_fp8_weights_against_the_dequantized_bf16_layer(capsys):
+    status, _ = exits(graphs_main.main, ["--device", "cpu", "--weights", "fp8", "--ratios", "2", "--decode", "3",
+                                         "--requests", "3"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "PASS: fp8 weights vs the dequantized bf16 layer" in printed and "PASS: every layer" in printed
+
+
 def test_graphs_help_states_the_defaults_it_runs(capsys):
     status, _ = exits(graphs_main.main, ["--help"])
     assert status == 0

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from graphs import TINY, CacheConfig, DSV41Attention, StepRunner
-from graphs.fp8 import FP8_LINEARS, dequantized_state_dict, to_fp8_state_dict
+from graphs.bench import pick_matched
+from graphs.fp8 import FP8_LINEARS, FP8_WEIGHTS_REL_TOL as FP8_TOL, dequantized_state_dict, to_fp8_state_dict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
 CFG = replace(TINY, o_lora_rank=128)  # the grouped wo_a's rows in whole 128-row scale blocks
-FP8_TOL = 0.15
 
 
 def cache():
@@ -42,20 +42,6 @@ def serve(layer, compile=False, picks=False):
 
 def rel(got, want):
     return max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(got, want))
-
-
-def same_pick_rel(got, want, got_ids, want_ids):
-    """(largest difference over the tokens whose top-k ids agree, relative to the largest
-    |y|; the share of tokens that agree): a token whose near-tied scores pick another entry
-    in one layer attends other rows, which no output tolerance covers."""
-    scale = max(w.float().abs().max().item() for w in want)
-    worst, same, tokens = 0.0, 0, 0
-    for g, w, a, b in zip(got, want, got_ids, want_ids):
-        alike = (a.sort(-1).values == b.sort(-1).values).all(-1)
-        if alike.any():
-            worst = max(worst, (g.float() - w.float())[alike].abs().max().item() / scale)
-        same, tokens = same + int(alike.sum()), tokens + alike.numel()
-    return worst, same / tokens
 
 
 @pytest.mark.parametrize("naming, scale_key", [("deepseek", "scale"), ("hf", "weight_scale_inv")])
@@ -84,8 +70,8 @@ def test_the_fp8_layer_equals_the_bf16_layer_with_dequantized_weights(ratio):
         err = rel(got, want)
         assert err < FP8_TOL, err
     else:  # the indexer's FP8 query projection moves near-tied scores
-        err, share = same_pick_rel(got, want, got_ids, want_ids)
-        assert err < FP8_TOL and share >= 0.8, (err, share)
+        agree = pick_matched(got, want, got_ids, want_ids, tolerance=FP8_TOL, min_share=0.8)
+        assert agree.passed, agree.verdict("fp8 vs bf16")
 
 
 def test_compiled_fp8_layer_equals_eager_with_no_graph_break():
