@@ -1,5 +1,8 @@
 """Helpers the tests share: caches filled with random rows, index tables with every kind of
-invalid entry, and the hypothesis example counts of the active profile."""
+invalid entry, the hypothesis example counts of the active profile, step buffers with
+pages, and the gloo group of a spawned worker."""
+
+import contextlib
 
 import torch
 from hypothesis import settings
@@ -46,3 +49,21 @@ def grown_meta(layer, rows: int, length: int):
         pages.grow(r, length)
     meta.apply_pages(*pages.take_changes())
     return meta
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, store_path: str):
+    """A gloo process group of ``world`` ranks for one spawned test worker, yielding its
+    c10d name. On leaving, the ranks meet at a barrier before teardown (no rank tears gloo
+    down while a peer still sends). A worker whose checks passed then calls
+    ``os._exit(0)``: interpreter finalization can still abort a process in gloo's threads
+    after a clean teardown (SIGABRT, "terminate called without an active exception", seen
+    once in ~30 CI runs)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
