@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from compile_ops.bench.slots import int_list
+
 D = 512
 CASES = ("raw ag+rs", "ag_rs triton", "ag_rs reference", "raw a2a", "a2a triton", "a2a reference",
          "local rescale", "local pack", "local pack torch", "local combine")
@@ -43,9 +45,8 @@ def _bench_rank(rank: int, world: int, store_path: str, args) -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world, device_id=device)
     group = dist.group.WORLD
-    tokens = [int(t) for t in args.tokens.split(",")]
     H_all = args.heads
-    todo = [(T, what) for T in tokens for what in CASES]
+    todo = [(T, what) for T in args.tokens for what in CASES]
     rows = []
     progress = todo
     if rank == 0:
@@ -154,7 +155,7 @@ def _report(rows, world, args) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m compile_ops.bench dcp", description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,8,64,512", help="comma-separated T values")
+    parser.add_argument("--tokens", type=int_list, default="1,8,64,512", help="comma-separated T values")
     parser.add_argument("--heads", type=int, default=128, help="gathered heads H_all")
     parser.add_argument("--world", type=int, default=0, help="GPUs to use (default: all)")
     parser.add_argument("--calls", type=int, default=20, help="calls captured in one graph")

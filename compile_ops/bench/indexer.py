@@ -18,7 +18,7 @@ import csv
 
 import torch
 
-from compile_ops.bench.slots import graph_args, graph_time_us, no_cuda
+from compile_ops.bench.slots import graph_args, graph_time_us, int_list, no_cuda
 
 HBM_BYTES_PER_S = 4.3e12  # H200
 ENTRY_BYTES = 132
@@ -67,8 +67,9 @@ def main(argv: list[str]) -> int:
     from tqdm import tqdm
 
     parser = argparse.ArgumentParser(prog="python -m compile_ops.bench indexer", description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,8,64", help="comma-separated T values (decode tokens)")
-    parser.add_argument("--entries", default="8192,32768,131072", help="comma-separated entries per request")
+    parser.add_argument("--tokens", type=int_list, default="1,8,64", help="comma-separated T values (decode tokens)")
+    parser.add_argument("--entries", type=int_list, default="8192,32768,131072",
+                        help="comma-separated entries per request")
     graph_args(parser, 10, "bench_indexer.csv")
     parser.add_argument("--plot", default="", help="PNG of GB/s against entries per request")
     args = parser.parse_args(argv)
@@ -79,9 +80,7 @@ def main(argv: list[str]) -> int:
     from compile_ops.indexer import triton as tri
 
     device = torch.device("cuda")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    entries = [int(n) for n in args.entries.split(",")]
-    todo = [(T, n) for n in entries for T in tokens]
+    todo = [(T, n) for n in args.entries for T in args.tokens]
     rows = []
     compiled_reference = torch.compile(dense_reference, dynamic=False)
     for T, n in tqdm(todo, desc="indexer", unit="case"):
@@ -127,7 +126,7 @@ def main(argv: list[str]) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for T in tokens:
+        for T in args.tokens:
             pts = [r for r in rows if r["T"] == T]
             ax.plot([r["entries"] for r in pts], [r["GBps"] for r in pts], marker="o", label=f"T = {T}")
         ax.axhline(HBM_BYTES_PER_S / 1e9, color="grey", linestyle="--", label="4.3 TB/s")

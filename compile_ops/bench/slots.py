@@ -44,6 +44,14 @@ def graph_time_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) 
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
+def int_list(text: str) -> list[int]:
+    """An argparse type: ``"1,8,64"`` -> ``[1, 8, 64]`` (a bad value is a usage error)."""
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def graph_args(parser: argparse.ArgumentParser, calls: int, csv_path: str) -> None:
     """The options of every CUDA-graph-timed benchmark: calls per graph, replays, CSV path."""
     parser.add_argument("--calls", type=int, default=calls, help="calls captured in one graph")
@@ -108,17 +116,15 @@ def main(argv: list[str]) -> int:
     from tqdm import tqdm
 
     parser = argparse.ArgumentParser(prog="python -m compile_ops.bench slots", description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,4,16,64,256,512,1024,4096", help="comma-separated T values")
-    parser.add_argument("--topk", default="512,2048", help="comma-separated K values")
+    parser.add_argument("--tokens", type=int_list, default="1,4,16,64,256,512,1024,4096", help="comma-separated T values")
+    parser.add_argument("--topk", type=int_list, default="512,2048", help="comma-separated K values")
     parser.add_argument("--window", type=int, default=128)
     graph_args(parser, 20, "bench_slots.csv")
     args = parser.parse_args(argv)
     if no_cuda("slots"):
         return 1
     device = torch.device("cuda")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    topks = [int(k) for k in args.topk.split(",")]
-    todo = list(cases(tokens, topks, args.window))
+    todo = list(cases(args.tokens, args.topk, args.window))
     rows = []
     for op, fast, slow, T, K in tqdm(todo, desc="slots", unit="case"):
         p = topk_problem(T, K, device)
