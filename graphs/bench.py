@@ -45,10 +45,11 @@ def flash_cache(*, max_requests: int = 256, max_seq_len: int = 2048, page_size: 
                        page_size=page_size, kv_format=kv_format, **pools)
 
 
-def flash_layer(ratio: int, device, *, cfg: AttentionConfig = V41_FLASH, seed: int = 0, **cache) -> DSV41Attention:
+def flash_layer(ratio: int, device, *, cfg: AttentionConfig = V41_FLASH, seed: int = 0, weights: str = "bf16",
+                **cache) -> DSV41Attention:
     """The V4.1-Flash layer the GPU tests and the benchmark share (identical shapes, so a
     second process finds Inductor's compiled graph in its on-disk cache)."""
-    return DSV41Attention(cfg, flash_cache(**cache), ratio, device=device, seed=seed)
+    return DSV41Attention(cfg, flash_cache(**cache), ratio, device=device, seed=seed, weights=weights)
 
 
 @torch.no_grad()

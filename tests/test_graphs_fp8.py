@@ -89,3 +89,33 @@ def test_fp8_weights_need_whole_scale_blocks_per_group():
         DSV41Attention(TINY, cache(), 2, weights="fp8")  # o_lora_rank 32
     with pytest.raises(ValueError, match="weights must be 'bf16' or 'fp8'"):
         DSV41Attention(CFG, cache(), 2, weights="int8")
+
+
+@pytest.mark.gpu
+def test_fp8_flash_layer_captured_on_the_gpu_equals_the_dequantized_bf16_layer():
+    """V4.1-Flash, ratio 2, on the GPU kernels: one Dynamo graph with no break, one CUDA
+    graph per bucket, and a mixed workload replayed (no host sync) equal to the eager bf16
+    layer with the dequantized weights within the FP8 tolerance."""
+    from graphs.bench import flash_layer
+
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cuda")
+    fp8 = flash_layer(2, device, weights="fp8", max_requests=16, max_seq_len=4096)
+    bf16 = flash_layer(2, device, max_requests=16, max_seq_len=4096)
+    bf16.load_state_dict(dequantized_state_dict(fp8.state_dict()), strict=True)
+    torch._dynamo.reset()
+    counters.clear()
+    runner = StepRunner(fp8, (1, 2, 4, 8, 16, 64, 256, 512))
+    runner.capture()
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+    assert sorted(runner.graphs) == [1, 2, 4, 8, 16, 64, 256, 512]
+    twin = StepRunner(bf16, (1, 2, 4, 8, 16, 64, 256, 512), compile=False, cuda_graphs=False)
+    work = mixed_workload([300, 40, 700, 5, 130, 1000], 24, chunk=256, max_tokens=512, rows=6, arrive_every=2, drafts=3)
+    xs = hidden_states(work, fp8.cfg.dim, seed=2, device=device)
+    with torch.no_grad():
+        got, got_ids = run_workload(runner.step, work, xs, watch=fp8.topk_ids, release=runner.release,
+                                    sync_debug="error")
+        want, want_ids = run_workload(twin.step, work, xs, watch=bf16.topk_ids, release=twin.release)
+    agree = pick_matched(got, want, got_ids, want_ids, tolerance=FP8_TOL, min_share=0.8)
+    assert agree.passed, agree.verdict("fp8 replayed vs dequantized bf16 eager")

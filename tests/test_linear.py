@@ -52,17 +52,22 @@ def test_reference_equals_the_float64_product_of_the_quantized_operands(M, N, K)
     assert ((got.double() - oracle).abs() <= 2**-8 * oracle.abs() + 1e-5).all()  # one bf16 rounding
 
 
-@pytest.mark.parametrize("M, N, K", SHAPES)
-def test_triton_kernel_equals_the_reference(M, N, K):
+@pytest.mark.parametrize("M, N, K, splits", [(1, 64, 64, 1), (3, 200, 300, 3), (20, 128, 256, 2), (17, 384, 130, 2),
+                                             (2, 128, 1024, 8), (70, 256, 640, 5), (600, 2048, 256, 1)])
+def test_triton_kernel_equals_the_reference(M, N, K, splits):
+    """Quantized inside the GEMM as ``quantize_tokens`` does, with K split over ``splits``
+    programs per tile (fewer tiles than two per SM) or not (600 x 2048: 160 tiles)."""
     from compile_ops.linear.reference import fp8_linear_reference
-    from compile_ops.linear.triton import fp8_linear_triton
+    from compile_ops.linear.triton import fp8_linear_triton, k_splits
 
     gen = torch.Generator().manual_seed(K)
-    xq, xs = quantize_tokens(torch.randn(M, K, generator=gen))
+    x = (torch.randn(M, K, generator=gen) * torch.logspace(-2, 1, K)).bfloat16()
+    x[0, :BLOCK] = 0  # an all-zero block: scale 1, not a division by zero
     wq, ws = quantize_blocks(torch.randn(N, K, generator=gen) / K**0.5)
-    want = fp8_linear_reference(xq, xs, wq, ws).float()
-    got = fp8_linear_triton(xq, xs, wq, ws).float()
+    want = fp8_linear_reference(x, wq, ws).float()
+    got = fp8_linear_triton(x, wq, ws).float()
     assert ((got - want).abs() <= 2**-7 * want.abs().max()).all()  # summation order + one bf16 rounding
+    assert k_splits(M, N, K) == splits
 
 
 @pytest.mark.parametrize("M", [1, 19])
@@ -79,9 +84,8 @@ def test_grouped_linear_equals_one_linear_per_group(M):
         grouped = fp8_linear(x, wq, ws, 4)
         per_group = torch.cat([fp8_linear(x[:, g * K:(g + 1) * K], wq[g * N:(g + 1) * N], ws[g:g + 1]) for g in range(G)], 1)
     assert torch.equal(grouped, per_group)
-    xq, xs = quantize_tokens(x)
-    got = fp8_linear_triton(xq, xs, wq, ws, 4).float()
-    want = fp8_linear_reference(xq, xs, wq, ws, 4).float()
+    got = fp8_linear_triton(x, wq, ws, 4).float()
+    want = fp8_linear_reference(x, wq, ws, 4).float()
     assert ((got - want).abs() <= 2**-7 * want.abs().max()).all()
 
 
@@ -109,12 +113,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from compile_ops.linear import triton as kernels
-signature = {"a": "*fp8e4nv", "a_s": "*fp32", "b": "*fp8e4nv", "b_s": "*fp32", "c": "*bf16", "M": "i32", "N": "i32",
-             "K": "i32", "stride_am": "i32", "stride_as": "i32", "stride_bn": "i32", "stride_bs": "i32",
-             "stride_cm": "i32", "GROUP_N": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr"}
+signature = {"x": "*bf16", "b": "*fp8e4nv", "b_s": "*fp32", "c": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+             "stride_xm": "i32", "stride_bn": "i32", "stride_bs": "i32", "stride_cm": "i32", "GROUP_N": "i32",
+             "BLOCKS_PER_SPLIT": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr",
+             "PARTIAL": "constexpr", "QMAX": "constexpr", "ROUND_FIRST": "constexpr"}
 names = list(signature)
 for bm in (16, 64):
-    constants = {(names.index(k),): v for k, v in (("BM", bm), ("BN", 128), ("BK", 128), ("ITERS", 0))}
+    constants = {(names.index(k),): v for k, v in (("BM", bm), ("BN", 128), ("BK", 128), ("ITERS", 0),
+                                                    ("PARTIAL", bm == 16), ("QMAX", 448.0),
+                                                    ("ROUND_FIRST", False))}
     ptx = triton.compile(ASTSource(kernels._fp8_gemm_kernel, signature, constants),
                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     print(bm, "wgmma" in ptx or "mma.sync" in ptx)
@@ -133,3 +140,22 @@ def test_kernel_builds_for_sm90():
     run = subprocess.run([sys.executable, "-c", SM90_BUILD], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["16", "True", "64", "True"], run.stdout  # tensor-core MMAs
+
+
+# the V4.1-Flash projections (N, K, groups): wq_a, wq_b, wkv, wo_a (8 groups), wo_b, indexer.wq_b
+FLASH_LINEARS = [(1280, 5120, 1), (32768, 1280, 1), (512, 5120, 1), (8192, 4096, 8), (5120, 8192, 1), (4096, 1280, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K, groups", FLASH_LINEARS)
+@pytest.mark.parametrize("M", [1, 7, 64, 300, 4096])
+def test_triton_kernel_on_the_gpu_equals_the_reference(M, N, K, groups):
+    """The compiled kernel (split-K partials for small M) at the layer's shapes."""
+    gen = torch.Generator(device="cuda").manual_seed(M + N)
+    x = torch.randn(M, groups * K, device="cuda", generator=gen).bfloat16()
+    wq, ws = quantize_blocks(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
+    with compile_ops.use_backends(linear="reference"):
+        want = fp8_linear(x, wq, ws, groups).float()
+    assert compile_ops.backend_for("linear", x.device) == "triton"
+    got = fp8_linear(x, wq, ws, groups).float()
+    assert ((got - want).abs() <= 2**-7 * want.abs().amax(-1, keepdim=True) + 1e-6).all()

@@ -1,8 +1,8 @@
 """``dsv41::fp8_linear``: schema, validation, fake, dispatch to the ``"linear"`` backends.
 
-The op quantizes the activations per token per 128 values
-(:func:`compile_ops.linear.quant.quantize_tokens`) and hands both FP8 operands with their
-scales to a backend, which multiplies them with fp32 accumulation.
+A backend quantizes the activations per token per 128 values as
+:func:`compile_ops.linear.quant.quantize_tokens` does (the Triton kernel inside its GEMM)
+and multiplies them by the weight with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, groups: int = 1)
     _check(x, weight, weight_scale, groups)
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0], dtype=torch.bfloat16)
-    xq, x_scale = quantize_tokens(x)
-    return backends.implementation("linear", "fp8_linear", x.device)(xq, x_scale, weight, weight_scale, groups)
+    return backends.implementation("linear", "fp8_linear", x.device)(x, weight, weight_scale, groups)
 
 
 @fp8_linear.register_fake
