@@ -1,7 +1,7 @@
 """``python -m graphs``: serve a mixed workload through one compiled, captured layer, check
 it against the full-history oracle, and (on a GPU) time decode, prefill and long context.
 
-For each compress ratio (default 1 and 2): build the layer (GPU: V4.1-Flash dims, 64
+For each compress ratio (default 1 and 2): build the layer (GPU: V4.1-Flash dims, 256
 request rows, 136K-token sequences, steps up to 8192 tokens, fp8_dsv41 caches; CPU: the
 tiny config), compile its step with ``torch.compile(fullgraph=True)`` and capture one CUDA
 graph per token bucket (GPU: 1..4096), then serve a workload of requests with prompts of
@@ -115,7 +115,7 @@ def geometry(args, ratio):
         cfg = dataclasses.replace(cfg, o_lora_rank=128)  # the grouped wo_a in whole 128-row scale blocks
     rewind = max(args.drafts, 1)
     if cuda:
-        cache = CacheConfig(max_requests=64, max_tokens=8192, max_seq_len=LONG + 8192, page_size=64,
+        cache = CacheConfig(max_requests=256, max_tokens=8192, max_seq_len=LONG + 8192, page_size=64,
                             kv_format=args.kv_format, max_rewind=rewind)
         return cfg, cache, list(DEFAULT_BUCKETS)
     # the CPU layer: long enough for a few compressed entries at every ratio it can run
@@ -212,11 +212,11 @@ def time_gpu(args, runner: StepRunner, info: dict, start: float, deadline: float
     late = lambda: time.perf_counter() > deadline  # noqa: E731
     fill_random(layer)
     eager = eager_twin(layer, runner.buckets)
-    batches = [1, 2, 4, 8, 16, 32, 64]
+    batches = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     if not late():
         progress(ratio, start, "decode step times per batch at 1024 tokens")
         info["rows"] = time_batches(runner, eager, batches, 1024, iters=args.iters,
-                                    replay_iters=5 * args.iters, profile_batches={1, 64}, deadline=deadline)
+                                    replay_iters=5 * args.iters, profile_batches={1, 64, 256}, deadline=deadline)
         info["weight_floor_us"] = round(weight_bytes(layer) / COPY_BYTES_PER_S * 1e6, 1)
     del eager
     if bf16_twin is not None and not late():
@@ -225,7 +225,7 @@ def time_gpu(args, runner: StepRunner, info: dict, start: float, deadline: float
         twin.capture()
         fill_random(bf16_twin)
         info["rows_bf16"] = time_batches(twin, eager_twin(bf16_twin, runner.buckets), batches, 1024, iters=args.iters,
-                                         replay_iters=5 * args.iters, profile_batches={1, 64}, deadline=deadline)
+                                         replay_iters=5 * args.iters, profile_batches={1, 64, 256}, deadline=deadline)
         info["weight_floor_bf16_us"] = round(weight_bytes(bf16_twin) / COPY_BYTES_PER_S * 1e6, 1)
         del twin
     if not late():
@@ -282,6 +282,10 @@ def report(info: dict) -> None:
               f"(floor {info['weight_floor_bf16_us']} us):")
         for f, b in zip(rows, info["rows_bf16"]):
             print(f"{f['batch']:>6} fp8 {f['replay_us']:8.1f}   bf16 {b['replay_us']:8.1f}")
+        for r in info["rows_bf16"]:
+            if r.get("top_kernels"):
+                print(f"bf16 weights, costliest kernels at batch {r['batch']} (us): "
+                      + "; ".join(f"{name} {us}" for name, us in r["top_kernels"][:5]))
     for r in info.get("large_steps", []):
         print(f"steps of {r['tokens']} tokens ({'graph' if r['graph'] else 'compiled, no graph'}), back to back: host "
               f"{r['host_us']} us, wall {r['wall_us']} us per step")

@@ -179,19 +179,42 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32, device=device))
         self.wkv = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device)
         self.wgate = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device)
+        # [wkv; wgate] as bf16 high parts over bf16 low parts: bf16 tokens times both parts
+        # with fp32 accumulation is the fp32 product to 2**-16 of each weight, on bf16 tensor
+        # cores instead of fp32 ones; derived from the weights at load (split_weights)
+        self.register_buffer("split", torch.zeros(4 * width, cfg.dim, dtype=torch.bfloat16, device=device),
+                             persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, keys: module.split_weights())
         self.norm = RMSNorm(head_dim, cfg.norm_eps, device)
         self.ring = cache.compressor_ring(ratio, overlap)
         self.register_buffer("state", torch.zeros(3, cache.max_requests + 1, self.ring, width, device=device),
                              persistent=False)
+
+    @torch.no_grad()
+    def split_weights(self) -> None:
+        """Refresh ``split`` from ``wkv`` and ``wgate`` (``load_state_dict`` and
+        ``reset_parameters`` do; call it after changing the weights in place)."""
+        w = torch.cat([self.wkv.weight, self.wgate.weight])
+        high = w.to(torch.bfloat16)
+        self.split.copy_(torch.cat([high, (w - high.float()).to(torch.bfloat16)]))
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(wkv(x), wgate(x))``, each ``[T, width]`` fp32, of ``x [T, dim]`` from ``split``."""
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            both = torch.mm(x, self.split.t(), out_dtype=torch.float32)
+        else:  # CPU torch has no bf16 x bf16 -> fp32 product: the same sum in fp32
+            both = x.float() @ self.split.float().t()
+        n = self.width
+        both = both[:, : 2 * n] + both[:, 2 * n:]
+        return both[:, :n], both[:, n:]
 
     def forward(self, x: Tensor, rows: StepRows, cos_table: Tensor, sin_table: Tensor):
         """One step of ``x [T, dim]``. Returns ``(entry [T, head_dim]`` in ``x``'s dtype,
         ``closing [T]`` bool): ``entry[t]`` is meaningful where ``closing[t]``."""
         r, d, P, T = self.ratio, self.head_dim, self.ring, x.shape[0]
         pos, row, valid, first, last = rows.pos, rows.row, rows.valid, rows.first, rows.last
-        xf = x.float()
-        kv = self.wkv(xf)
-        score = self.wgate(xf) + self.ape[pos % r]
+        kv, score = self.project(x)
+        score = score + self.ape[pos % r]
         stats: Stats = (score, torch.ones_like(score), kv)  # each [T, width]: one token's softmax stats
         t = torch.arange(T, device=x.device)
         group_start = pos - pos % r
@@ -404,6 +427,9 @@ class DSV41Attention(nn.Module):
                 self.get_parameter(name[: -len("weight")] + "scale").copy_(scale)
             else:
                 p.copy_(value)
+        for m in self.modules():
+            if isinstance(m, Compressor):
+                m.split_weights()
 
     def full_shape(self, name: str, p: Tensor) -> tuple[int, ...]:
         """The DCP=1 shape of parameter ``name`` (``p`` its local shard)."""

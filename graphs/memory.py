@@ -23,6 +23,11 @@ def _compressor_state(cfg: AttentionConfig, cache: CacheConfig, ratio: int, head
     return (cache.max_requests + 1) * ring * 3 * (2 if overlap else 1) * head_dim * FP32
 
 
+def _compressor_split(cfg: AttentionConfig, ratio: int, head_dim: int) -> int:
+    """``split``: ``wkv`` and ``wgate`` as bf16 high and low parts, ``4 * width * dim`` bf16."""
+    return 4 * (2 if cfg.overlaps(ratio) else 1) * head_dim * cfg.dim * 2
+
+
 def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="cpu") -> dict[str, int]:
     """Bytes of each buffer group of the layer (``device`` sizes the split-K workspace).
 
@@ -31,21 +36,24 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="c
     * ``cmp_cache``: ``cmp_pages * block_size * bytes_per_token(kv_format)``
     * ``index_cache``: ``cmp_pages * block_size * (132 fp8 | 256 bf16)``
     * ``compressor_state``: the compressors' ``(R + 1)``-row fp32 state rings (main and indexer)
+    * ``compressor_split``: the compressors' projections as bf16 high and low parts
     * ``step_scratch``: ``topk_ids [max_tokens, K]`` int32, the RoPE tables
       ``2 * max_seq_len * rope_dim / 2`` fp32, the Hadamard matrix, ``sparse_mla``'s workspace
     """
     kv = get_format(cache.kv_format).bytes_per_token
     out = {"swa_cache": cache.swa_num_pages(cfg.window_size) * cache.page_size * kv, "cmp_cache": 0, "index_cache": 0,
-           "compressor_state": 0}
+           "compressor_state": 0, "compressor_split": 0}
     topk = 0
     if ratio:
         entries = cache.cmp_num_pages(ratio) * cache.block_size(ratio)
         out["cmp_cache"] = entries * kv
         out["compressor_state"] = _compressor_state(cfg, cache, ratio, cfg.head_dim)
+        out["compressor_split"] = _compressor_split(cfg, ratio, cfg.head_dim)
         topk = cache.max_entries(ratio)
         if cfg.has_indexer(ratio):
             out["index_cache"] = entries * get_index_format(cache.index_format).bytes_per_token
             out["compressor_state"] += _compressor_state(cfg, cache, ratio, INDEX_DIM)
+            out["compressor_split"] += _compressor_split(cfg, ratio, INDEX_DIM)
             topk = min(cfg.index_topk, topk)
     rotation = INDEX_DIM * INDEX_DIM * 2 if ratio and cfg.has_indexer(ratio) else 0
     rope = 2 * cache.max_seq_len * (cfg.rope_head_dim // 2) * FP32

@@ -387,6 +387,24 @@ def test_buffer_bytes_formula_equals_the_layers_buffers(ratio, kv_format, index_
         assert want["cmp_cache"] == got["cmp_cache"] == 7 * cache.block_size(ratio) * got["cmp_cache"] // (
             layer.cmp_cache.shape[0] * layer.cmp_cache.shape[1])
         assert want["index_cache"] == got.get("indexer.index_cache", 0)
+        assert want["compressor_split"] == got["compressor.split"] + got.get("indexer.compressor.split", 0)
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_compressor_projection_is_the_fp32_product_and_follows_loaded_weights(ratio):
+    """The compressors run ``wkv`` / ``wgate`` (fp32 weights) as bf16 high and low parts:
+    equal to the fp32 product within 2**-14 of its largest value, refreshed by
+    ``load_state_dict``."""
+    layer = DSV41Attention(TINY, CacheConfig(4, 4, 64, PAGE), ratio)
+    other = DSV41Attention(TINY, CacheConfig(4, 4, 64, PAGE), ratio, seed=9)
+    x = torch.randn(5, TINY.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for source in (layer, other):
+        layer.load_state_dict(source.state_dict())
+        for comp, want_from in ((layer.compressor, source.compressor), (layer.indexer.compressor, source.indexer.compressor)):
+            kv, gate = comp.project(x)
+            for got, w in ((kv, want_from.wkv.weight), (gate, want_from.wgate.weight)):
+                want = x.double() @ w.double().t()
+                assert (got.double() - want).abs().max() <= 2**-14 * want.abs().max()
 
 
 def test_page_changes_name_each_table_entry_once():

@@ -113,23 +113,31 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from compile_ops.linear import triton as kernels
-signature = {"x": "*bf16", "b": "*fp8e4nv", "b_s": "*fp32", "c": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-             "stride_xm": "i32", "stride_bn": "i32", "stride_bs": "i32", "stride_cm": "i32", "GROUP_N": "i32",
-             "BLOCKS_PER_SPLIT": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr",
-             "PARTIAL": "constexpr", "QMAX": "constexpr", "ROUND_FIRST": "constexpr"}
-names = list(signature)
+
+
+def build(kernel, signature, constants):
+    names = list(signature)
+    constants = {(names.index(k),): v for k, v in constants.items()}
+    return triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+gemm = {"a": "*fp8e4nv", "a_s": "*fp32", "b": "*fp8e4nv", "b_s": "*fp32", "c": "*fp32", "M": "i32", "N": "i32",
+        "K": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_ask": "i32", "stride_bn": "i32",
+        "stride_bs": "i32", "stride_cm": "i32", "GROUP_N": "i32", "BLOCKS_PER_SPLIT": "i32", "BM": "constexpr",
+        "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr"}
 for bm in (16, 64):
-    constants = {(names.index(k),): v for k, v in (("BM", bm), ("BN", 128), ("BK", 128), ("ITERS", 0),
-                                                    ("PARTIAL", bm == 16), ("QMAX", 448.0),
-                                                    ("ROUND_FIRST", False))}
-    ptx = triton.compile(ASTSource(kernels._fp8_gemm_kernel, signature, constants),
-                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx = build(kernels._fp8_gemm_kernel, gemm, {"BM": bm, "BN": 128, "BK": 128, "ITERS": 0, "PARTIAL": bm == 16})
     print(bm, "wgmma" in ptx or "mma.sync" in ptx)
+quant = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
+         "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "ROUND_FIRST": "constexpr"}
+ptx = build(kernels._quantize_kernel, quant, {"BM": 16, "BK": 128, "QMAX": 448.0, "ROUND_FIRST": False})
+print("quant", "cvt.rn.satfinite.e4m3x2" in ptx)
 """
 
 
 def test_kernel_builds_for_sm90():
-    """The launches the GPU runs (BM 16 and 64), compiled for sm_90 without a GPU: in a
+    """The launches the GPU runs (GEMM tiles of 16 and 64 rows, the quantizer), compiled for
+    sm_90 without a GPU: in a
     process of its own, since the interpreter (TRITON_INTERPRET=1 here) patches Triton's
     language module for the whole process."""
     import os
@@ -139,7 +147,31 @@ def test_kernel_builds_for_sm90():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "-c", SM90_BUILD], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["16", "True", "64", "True"], run.stdout  # tensor-core MMAs
+    # tensor-core MMAs, and the hardware's rounding e4m3 cast
+    assert run.stdout.split() == ["16", "True", "64", "True", "quant", "True"], run.stdout
+
+
+def test_triton_quantizer_equals_quantize_tokens():
+    from compile_ops.linear.triton import quantize_tokens_triton
+
+    x = (torch.randn(37, 300, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 2, 300)).bfloat16()
+    x[3, 128:256] = 0
+    q, scale = quantize_tokens_triton(x)
+    want_q, want_scale = quantize_tokens(x)
+    assert scale.stride() == (1, 37)  # outer-dim-major, as scaled_mm takes it
+    assert torch.equal(q.float(), want_q.float()) and torch.equal(scale, want_scale)
+
+
+def test_the_cublas_backend_takes_only_the_calls_it_can_run():
+    from compile_ops.linear.scaled_mm import MIN_TOKENS, available, limits
+
+    wq, ws = quantize_blocks(torch.randn(256, 384))
+    assert limits((torch.ones(MIN_TOKENS, 384), wq, ws, 1)) is None
+    assert "tokens" in limits((torch.ones(MIN_TOKENS - 1, 384), wq, ws, 1))
+    assert "grouped" in limits((torch.ones(MIN_TOKENS, 768), wq, ws, 2))
+    assert "128-blocks" in limits((torch.ones(MIN_TOKENS, 200), *quantize_blocks(torch.randn(256, 200)), 1))
+    assert "CUDA" in available(torch.device("cpu"), None)
+    assert compile_ops.backend_for("linear", "cpu") == "reference"
 
 
 # the V4.1-Flash projections (N, K, groups): wq_a, wq_b, wkv, wo_a (8 groups), wo_b, indexer.wq_b
@@ -149,13 +181,20 @@ FLASH_LINEARS = [(1280, 5120, 1), (32768, 1280, 1), (512, 5120, 1), (8192, 4096,
 @pytest.mark.gpu
 @pytest.mark.parametrize("N, K, groups", FLASH_LINEARS)
 @pytest.mark.parametrize("M", [1, 7, 64, 300, 4096])
-def test_triton_kernel_on_the_gpu_equals_the_reference(M, N, K, groups):
-    """The compiled kernel (split-K partials for small M) at the layer's shapes."""
+def test_gpu_backends_equal_the_reference(M, N, K, groups):
+    """Each CUDA backend that takes the call (Triton: all; cuBLAS: one group, >= 128 tokens)
+    at the layer's shapes; ``auto`` picks cuBLAS where it can."""
+    from compile_ops.backends import resolve
+
     gen = torch.Generator(device="cuda").manual_seed(M + N)
     x = torch.randn(M, groups * K, device="cuda", generator=gen).bfloat16()
     wq, ws = quantize_blocks(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
     with compile_ops.use_backends(linear="reference"):
         want = fp8_linear(x, wq, ws, groups).float()
-    assert compile_ops.backend_for("linear", x.device) == "triton"
-    got = fp8_linear(x, wq, ws, groups).float()
-    assert ((got - want).abs() <= 2**-7 * want.abs().amax(-1, keepdim=True) + 1e-6).all()
+    cublas = groups == 1 and M >= 128
+    assert resolve("linear", x.device, args=(x, wq, ws, groups))[0] == ("scaled_mm" if cublas else "triton")
+    for backend in ("triton", "scaled_mm") if cublas else ("triton",):
+        with compile_ops.use_backends(linear=backend):
+            got = fp8_linear(x, wq, ws, groups).float()
+        # summation order and one bf16 rounding, of the row's largest |y|
+        assert ((got - want).abs() <= 2**-7 * want.abs().amax(-1, keepdim=True) + 1e-6).all(), backend

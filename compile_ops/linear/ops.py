@@ -40,7 +40,8 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, groups: int = 1)
     _check(x, weight, weight_scale, groups)
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0], dtype=torch.bfloat16)
-    return backends.implementation("linear", "fp8_linear", x.device)(x, weight, weight_scale, groups)
+    args = (x, weight, weight_scale, groups)
+    return backends.implementation("linear", "fp8_linear", x.device, args=args)(*args)
 
 
 @fp8_linear.register_fake
@@ -59,8 +60,11 @@ whole 128-blocks).
 ``x [M, K]`` bf16 (or fp32) is quantized per token per 128 values to e4m3 with fp32
 scales (``quantize_tokens``); ``weight [N, K]`` float8_e4m3fn with ``weight_scale
 [ceil(N/128), ceil(K/128)]`` fp32 (DeepSeek's 128 x 128 blocks, ``w = weight * scale``).
-Products accumulate in fp32. Shapes follow the inputs only; no host sync. Backends: a
-Triton block-scaled FP8 GEMM on CUDA, the dequantizing plain-torch reference elsewhere.
+Products accumulate in fp32. Shapes follow the inputs only; no host sync. Backends, in
+``auto`` order: ``scaled_mm`` (cuBLAS's blockwise FP8 GEMM through
+``torch.nn.functional.scaled_mm``, on Hopper with a torch that has it, for calls of one
+group and at least 128 tokens), ``triton`` (a block-scaled FP8 GEMM that splits K over the
+SMs for decode batches; any CUDA GPU), and the dequantizing plain-torch ``reference``.
 
 Example::
 
@@ -72,6 +76,9 @@ Example::
 """
 
 
+backends.register_backend("linear", "scaled_mm", backends.imported("compile_ops.linear.scaled_mm", "available"),
+                          {"fp8_linear": backends.imported("compile_ops.linear.scaled_mm", "fp8_linear_scaled_mm")},
+                          limits=backends.imported("compile_ops.linear.scaled_mm", "limits"))
 backends.register_backend("linear", "triton", backends.cuda_with_triton,
                           {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
 backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})

@@ -1,20 +1,22 @@
-"""Triton block-scaled FP8 GEMM of ``fp8_linear``: ``C = q(X) (B * b_scale)^T``.
+"""Triton kernels of ``fp8_linear``: the token quantizer and a block-scaled FP8 GEMM.
 
-Program ``(m, n, s)`` owns a ``BM x BN`` tile of ``C`` and split ``s`` of the K blocks.
-Per 128-wide K block it loads the tokens' bf16 tile, quantizes it per token to e4m3 as
-:func:`compile_ops.linear.quant.quantize_tokens` does (scale ``amax / 448``, correctly
-rounded divisions), ``tl.dot``\\ s it with the weight rows' e4m3 tile (fp32 accumulation)
-and adds the product scaled by both scales. Quantizing inside the GEMM costs no launch and
-no round trip of the quantized activations; a tile re-quantizes its rows once per N tile,
-which is ``1 / BN`` of the dot's work.
+* :func:`quantize_tokens_triton` is :func:`compile_ops.linear.quant.quantize_tokens` in one
+  launch: e4m3 values ``[M, K]`` and fp32 scales ``[M, ceil(K/128)]`` stored outer-dim-major
+  (stride ``(1, M)``), the layout ``torch.nn.functional.scaled_mm`` takes.
+* :func:`fp8_linear_triton`: ``C = (A * a_scale) (B * b_scale)^T``. Program ``(m, n, s)``
+  owns a ``BM x BN`` tile of ``C`` and split ``s`` of the K blocks; per 128-wide K block it
+  ``tl.dot``\\ s the e4m3 tiles of the tokens and the weight rows and adds the product
+  scaled by both blocks' scales, in fp32 (precise accumulation: Hopper's fast FP8
+  accumulation keeps too few bits). Decode steps have few tokens, so an ``M x N`` grid
+  alone would leave most SMs idle on the narrow projections (``wq_a``: 10 tiles): the K
+  blocks are then split over programs that write fp32 partials, and one reduction sums
+  them in split order (deterministic).
 
-Decode steps have few tokens, so an ``M x N`` grid alone would leave most SMs idle on the
-narrow projections (``wq_a``: 10 tiles): the K blocks are then split over programs that
-write fp32 partials, and one reduction sums them in split order (deterministic). Runs on
-CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (loops then have compile-time
-trip counts, and values are rounded to e4m3 before the cast: the interpreter's cast does
-not carry a mantissa that rounds up into the exponent, 125.1 becomes 64); nothing syncs, and the only allocations are the output and the partials, so
-CUDA graphs capture it.
+Both run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (loops then have
+compile-time trip counts, and values are rounded to e4m3 in fp32 arithmetic before the
+cast: the interpreter's cast does not carry a mantissa that rounds up into the exponent,
+125.1 becomes 64). Nothing syncs, and the only allocations are the outputs and the
+partials, so CUDA graphs capture them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from compile_ops.linear.quant import BLOCK, E4M3_MAX
 
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
 TARGET_PROGRAMS = 264
+QUANT_ROWS = 16  # token rows per program of the quantizer
 
 
 @triton.jit
@@ -41,10 +44,39 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr,
+                     ROUND_FIRST: tl.constexpr):
+    i_m, i_k = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_k = i_k * BK + tl.arange(0, BK)
+    mask = (o_m < M)[:, None] & (o_k < K)[None, :]
+    v = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), axis=1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
+    v = tl.clamp(tl.math.div_rn(v, scale[:, None]), -QMAX, QMAX)
+    if ROUND_FIRST:
+        v = _round_to_e4m3(v)
+    tl.store(q + o_m[:, None].to(tl.int64) * K + o_k[None, :], v.to(tl.float8e4nv), mask=mask)
+    tl.store(s + i_k.to(tl.int64) * M + o_m, scale, mask=o_m < M)
+
+
+def quantize_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (bf16 or fp32) -> ``(float8_e4m3fn [M, K], fp32 scale [M, ceil(K/128)])``
+    equal to ``quantize_tokens(x)``; the scale is a transposed view (stride ``(1, M)``)."""
+    M, K = x.shape
+    x = x.contiguous()
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(triton.cdiv(K, BLOCK), M, dtype=torch.float32, device=x.device)
+    launchable(_quantize_kernel, x)[(triton.cdiv(M, QUANT_ROWS), triton.cdiv(K, BLOCK))](
+        x, q, scale, M, K, x.stride(0), BM=QUANT_ROWS, BK=BLOCK, QMAX=E4M3_MAX, ROUND_FIRST=INTERPRET)
+    return q, scale.t()
+
+
+@triton.jit
 def _fp8_gemm_kernel(
-    x, b, b_s, c, M, N, K, stride_xm, stride_bn, stride_bs, stride_cm, GROUP_N, BLOCKS_PER_SPLIT,
+    a, a_s, b, b_s, c, M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bs, stride_cm, GROUP_N,
+    BLOCKS_PER_SPLIT,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr, PARTIAL: tl.constexpr,
-    QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -52,8 +84,10 @@ def _fp8_gemm_kernel(
     o_k = tl.arange(0, BK)
     m_m, m_n = o_m < M, o_n < N
     # grouped: this tile's output columns belong to group (i_n * BN) // GROUP_N, which reads
-    # its own K columns of x (BN divides GROUP_N)
-    x += ((i_n * BN) // GROUP_N).to(tl.int64) * K
+    # its own K columns of A and their scales (BN divides GROUP_N)
+    i_g = (i_n * BN) // GROUP_N
+    a += i_g.to(tl.int64) * K
+    a_s += i_g.to(tl.int64) * tl.cdiv(K, BK) * stride_ask
     acc = tl.zeros([BM, BN], tl.float32)
     first = i_s * BLOCKS_PER_SPLIT
     steps = ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)
@@ -61,18 +95,14 @@ def _fp8_gemm_kernel(
         i = first + j
         k = i * BK + o_k
         m_k = k < K
-        xs = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + k[None, :], mask=m_m[:, None] & m_k[None, :],
-                     other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(xs), axis=1)
-        s_a = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
-        xq = tl.clamp(tl.math.div_rn(xs, s_a[:, None]), -QMAX, QMAX)
-        if ROUND_FIRST:
-            xq = _round_to_e4m3(xq)
-        xq = xq.to(tl.float8e4nv)
-        w = tl.load(b + o_n[:, None].to(tl.int64) * stride_bn + k[None, :], mask=m_n[:, None] & m_k[None, :],
-                    other=0.0)
-        part = tl.dot(xq, tl.trans(w))
-        s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & (i * BK < K), other=0.0)
+        t_a = tl.load(a + o_m[:, None].to(tl.int64) * stride_am + k[None, :], mask=m_m[:, None] & m_k[None, :],
+                      other=0.0)
+        t_b = tl.load(b + o_n[:, None].to(tl.int64) * stride_bn + k[None, :], mask=m_n[:, None] & m_k[None, :],
+                      other=0.0)
+        part = tl.dot(t_a, tl.trans(t_b), max_num_imprecise_acc=0)
+        live = i * BK < K  # the interpreter's fixed trip count runs past the last block
+        s_a = tl.load(a_s + o_m * stride_asm + i * stride_ask, mask=m_m & live, other=0.0)
+        s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0.0)
         acc += part * s_a[:, None] * s_b[None, :]
     out = c + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :]
     if PARTIAL:
@@ -106,12 +136,12 @@ def k_splits(M: int, N: int, K: int) -> int:
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       groups: int = 1) -> torch.Tensor:
-    """bf16 ``[M, N]`` of ``x [M, groups * K]`` (bf16 or fp32; quantized per token per 128
-    in the kernel) times e4m3 ``weight [N, K]`` (scales ``[ceil(N/128), ceil(K/128)]``)
-    transposed, per group."""
+    """bf16 ``[M, N]`` of ``x [M, groups * K]`` (bf16 or fp32, quantized per token per 128)
+    times e4m3 ``weight [N, K]`` (scales ``[ceil(N/128), ceil(K/128)]``) transposed, per group."""
     M = x.shape[0]
     N, K = weight.shape
-    x, weight, weight_scale = x.contiguous(), weight.contiguous(), weight_scale.contiguous()
+    xq, x_scale = quantize_tokens_triton(x)
+    weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     BM, k_blocks = tile_rows(M), triton.cdiv(K, BLOCK)
     splits = k_splits(M, N, K)
@@ -119,10 +149,10 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     partial = splits > 1
     target = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if partial else out
     launchable(_fp8_gemm_kernel, x)[(triton.cdiv(M, BM), triton.cdiv(N, BLOCK), splits)](
-        x, weight, weight_scale, target, M, N, K, x.stride(0), weight.stride(0), weight_scale.stride(0), N,
-        N // groups, per_split,
-        BM=BM, BN=BLOCK, BK=BLOCK, ITERS=per_split if INTERPRET else 0, PARTIAL=partial, QMAX=E4M3_MAX,
-        ROUND_FIRST=INTERPRET,
+        xq, x_scale, weight, weight_scale, target, M, N, K, xq.stride(0), x_scale.stride(0), x_scale.stride(1),
+        weight.stride(0), weight_scale.stride(0), N, N // groups, per_split,
+        BM=BM, BN=BLOCK, BK=BLOCK, ITERS=per_split if INTERPRET else 0, PARTIAL=partial,
+        num_warps=8 if BM == 16 else 4,
     )
     if partial:
         launchable(_sum_splits_kernel, x)[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLITS=splits,
