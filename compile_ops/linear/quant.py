@@ -21,7 +21,9 @@ E4M3_MAX = 448.0
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # divided by a tensor: CUDA torch multiplies by the reciprocal of a Python number, which
+    # can round the scale differently from the CPU and the Triton quantizer
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

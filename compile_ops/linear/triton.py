@@ -12,10 +12,10 @@
   blocks are then split over programs that write fp32 partials, and one reduction sums
   them in split order (deterministic).
 
-Both run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (loops then have
-compile-time trip counts, and values are rounded to e4m3 in fp32 arithmetic before the
-cast: the interpreter's cast does not carry a mantissa that rounds up into the exponent,
-125.1 becomes 64). Nothing syncs, and the only allocations are the outputs and the
+The quantizer rounds to e4m3 in fp32 arithmetic, so it equals ``quantize_tokens`` bit for
+bit on the GPU and in the interpreter alike (whose own cast does not carry a mantissa that
+rounds up into the exponent: 125.1 becomes 64). Both run on CUDA tensors, or on CPU
+tensors under ``TRITON_INTERPRET=1`` (loops then have compile-time trip counts). Nothing syncs, and the only allocations are the outputs and the
 partials, so CUDA graphs capture them.
 """
 
@@ -35,17 +35,18 @@ QUANT_ROWS = 16  # token rows per program of the quantizer
 
 @triton.jit
 def _round_to_e4m3(v):
-    """``v`` (fp32, ``|v| <= 448``) rounded to the nearest e4m3 value, in fp32 arithmetic:
-    3 mantissa bits (ties to even) for normals, steps of ``2**-9`` below ``2**-6``."""
+    """``v`` (fp32, ``|v| <= 448``) rounded to the nearest e4m3 value (ties to even), in
+    fp32 arithmetic: 3 mantissa bits for normals, steps of ``2**-9`` below ``2**-6`` (adding
+    and subtracting ``1.5 * 2**23`` rounds ``512 v`` to an integer)."""
     bits = v.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
     normal = bits.to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(v) < 0.015625, tl.floor(v * 512.0 + 0.5) / 512.0, normal)
+    subnormal = ((v * 512.0 + 12582912.0) - 12582912.0) / 512.0
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
 @triton.jit
-def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr,
-                     ROUND_FIRST: tl.constexpr):
+def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr):
     i_m, i_k = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -53,9 +54,9 @@ def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexp
     v = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
-    v = tl.clamp(tl.math.div_rn(v, scale[:, None]), -QMAX, QMAX)
-    if ROUND_FIRST:
-        v = _round_to_e4m3(v)
+    # rounded before the cast, which then is exact: Triton's fp32 -> e4m3 cast may round
+    # twice (through fp16) on the GPU, and does not carry into the exponent in the interpreter
+    v = _round_to_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -QMAX, QMAX))
     tl.store(q + o_m[:, None].to(tl.int64) * K + o_k[None, :], v.to(tl.float8e4nv), mask=mask)
     tl.store(s + i_k.to(tl.int64) * M + o_m, scale, mask=o_m < M)
 
@@ -68,7 +69,7 @@ def quantize_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(triton.cdiv(K, BLOCK), M, dtype=torch.float32, device=x.device)
     launchable(_quantize_kernel, x)[(triton.cdiv(M, QUANT_ROWS), triton.cdiv(K, BLOCK))](
-        x, q, scale, M, K, x.stride(0), BM=QUANT_ROWS, BK=BLOCK, QMAX=E4M3_MAX, ROUND_FIRST=INTERPRET)
+        x, q, scale, M, K, x.stride(0), BM=QUANT_ROWS, BK=BLOCK, QMAX=E4M3_MAX)
     return q, scale.t()
 
 
