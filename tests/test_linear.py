@@ -166,11 +166,14 @@ def test_triton_quantizer_equals_quantize_tokens(device):
 
 
 def test_the_cublas_backend_takes_only_the_calls_it_can_run():
-    from compile_ops.linear.scaled_mm import MIN_TOKENS, available, limits
+    from compile_ops.linear.scaled_mm import MIN_OUTPUTS, MIN_TOKENS, available, limits
 
-    wq, ws = quantize_blocks(torch.randn(256, 384))
+    wq, ws = quantize_blocks(torch.randn(4096, 384))
     assert limits((torch.ones(MIN_TOKENS, 384), wq, ws, 1)) is None
     assert "tokens" in limits((torch.ones(MIN_TOKENS - 1, 384), wq, ws, 1))
+    narrow = quantize_blocks(torch.randn(512, 384))
+    assert "values" in limits((torch.ones(MIN_OUTPUTS // 512 - 1, 384), *narrow, 1))
+    assert limits((torch.ones(MIN_OUTPUTS // 512, 384), *narrow, 1)) is None
     assert "grouped" in limits((torch.ones(MIN_TOKENS, 768), wq, ws, 2))
     assert "128-blocks" in limits((torch.ones(MIN_TOKENS, 200), *quantize_blocks(torch.randn(256, 200)), 1))
     assert "CUDA" in available(torch.device("cpu"), None)
@@ -185,8 +188,8 @@ FLASH_LINEARS = [(1280, 5120, 1), (32768, 1280, 1), (512, 5120, 1), (8192, 4096,
 @pytest.mark.parametrize("N, K, groups", FLASH_LINEARS)
 @pytest.mark.parametrize("M", [1, 7, 64, 300, 4096])
 def test_gpu_backends_equal_the_reference(M, N, K, groups):
-    """Each CUDA backend that takes the call (Triton: all; cuBLAS: one group, >= 128 tokens)
-    at the layer's shapes; ``auto`` picks cuBLAS where it can."""
+    """Each CUDA backend that takes the call (Triton: all; cuBLAS: one group, >= 128 tokens,
+    >= 2**19 outputs) at the layer's shapes; ``auto`` picks cuBLAS where it can."""
     from compile_ops.backends import resolve
 
     gen = torch.Generator(device="cuda").manual_seed(M + N)
@@ -194,7 +197,7 @@ def test_gpu_backends_equal_the_reference(M, N, K, groups):
     wq, ws = quantize_blocks(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
     with compile_ops.use_backends(linear="reference"):
         want = fp8_linear(x, wq, ws, groups).float()
-    cublas = groups == 1 and M >= 128
+    cublas = groups == 1 and M >= 128 and M * N >= 1 << 19
     assert resolve("linear", x.device, args=(x, wq, ws, groups))[0] == ("scaled_mm" if cublas else "triton")
     for backend in ("triton", "scaled_mm") if cublas else ("triton",):
         with compile_ops.use_backends(linear=backend):

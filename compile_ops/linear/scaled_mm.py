@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from compile_ops.linear.quant import BLOCK
 
-# Below this many tokens the Triton GEMM (split K over the SMs) is faster than cuBLAS's
-# blockwise kernels, which also refuse 1 or 2 rows (docs/performance.md).
+# Smaller calls run faster on the Triton GEMM, which splits K over the SMs: cuBLAS's
+# blockwise kernels do not, and refuse 1 or 2 rows (docs/performance.md).
 MIN_TOKENS = 128
+MIN_OUTPUTS = 1 << 19  # tokens x output columns
 
 
 def available(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
@@ -36,15 +37,17 @@ def available(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
 
 
 def limits(args: tuple) -> Optional[str]:
-    """Per call: one group, ``N`` and ``K`` whole 128-blocks, at least :data:`MIN_TOKENS` tokens."""
+    """Per call: one group, ``N`` and ``K`` whole 128-blocks, at least :data:`MIN_TOKENS`
+    tokens and :data:`MIN_OUTPUTS` output values."""
     x, weight, _, groups = args
     N, K = weight.shape
     if groups != 1:
         return "grouped projections run on the Triton GEMM"
     if N % BLOCK or K % BLOCK:
         return f"weight [{N}, {K}] is not whole {BLOCK}-blocks"
-    if x.shape[0] < MIN_TOKENS:
-        return f"{x.shape[0]} tokens < {MIN_TOKENS}: the Triton GEMM is faster"
+    if x.shape[0] < MIN_TOKENS or x.shape[0] * N < MIN_OUTPUTS:
+        return (f"[{x.shape[0]}, {N}] out is under {MIN_TOKENS} tokens or {MIN_OUTPUTS} values: the Triton GEMM "
+                "is faster")
     return None
 
 
