@@ -88,7 +88,7 @@ def test_graphs_help_states_the_defaults_it_runs(capsys):
 
 
 @pytest.mark.parametrize("argv, status, says", [
-    (["--help"], 0, "{sparse-mla,slots,dcp,indexer}"),
+    (["--help"], 0, "{sparse-mla,slots,dcp,indexer,linear}"),
     ([], 2, "required: benchmark"),
     (["nope"], 2, "invalid choice: 'nope'"),
     (["slots", "--help"], 0, "--tokens"),

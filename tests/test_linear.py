@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import compile_ops
+from compile_ops.bench.linear import FLASH_PROJECTIONS
 from compile_ops.linear import dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
 from compile_ops.linear.quant import BLOCK, E4M3_MAX
 from test_opcheck import opcheck
@@ -180,8 +181,7 @@ def test_the_cublas_backend_takes_only_the_calls_it_can_run():
     assert compile_ops.backend_for("linear", "cpu") == "reference"
 
 
-# the V4.1-Flash projections (N, K, groups): wq_a, wq_b, wkv, wo_a (8 groups), wo_b, indexer.wq_b
-FLASH_LINEARS = [(1280, 5120, 1), (32768, 1280, 1), (512, 5120, 1), (8192, 4096, 8), (5120, 8192, 1), (4096, 1280, 1)]
+FLASH_LINEARS = list(FLASH_PROJECTIONS.values())  # (N, K, groups) of V4.1-Flash's FP8 projections
 
 
 @pytest.mark.gpu
