@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import gloo_group
 
-from graphs import TINY, CacheConfig, DSV41Attention, StepRunner
+from graphs import TINY, CacheConfig, DSV41Attention, StepRunner, buffer_bytes
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
 pytestmark = pytest.mark.distributed
@@ -71,6 +71,9 @@ def equality_worker(rank, world, store, interleave):
                 if layer.indexer is not None:
                     assert layer.indexer.index_cache.numel() * world == single.indexer.index_cache.numel()
             assert layer.swa_cache.shape == single.swa_cache.shape  # the SWA cache is replicated
+            # the documented memory formula holds per rank
+            assert buffer_bytes(CFG, layer.cache_cfg, ratio)["total"] == sum(
+                b.numel() * b.element_size() for b in layer.buffers()), ratio
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         layer = DSV41Attention(CFG, cache_for(2, world, interleave), 2, seed=5, dcp_group=group)
