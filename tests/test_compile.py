@@ -29,7 +29,7 @@ def decode_step(q, positions, token_to_req, swa_table, topk, cmp_table, is_valid
 
 def inputs(seed):
     gen = torch.Generator().manual_seed(seed)
-    T, H, R = 5, 3, 2
+    T, H = 5, 3
     swa_cache, cmp_cache = new_cache("fp8_dsv41", 8, PAGE), new_cache("fp8_dsv41", 6, BLOCK)
     write_kv(swa_cache, torch.arange(32, dtype=i32), torch.randn(32, 512, generator=gen), "fp8_dsv41")
     write_kv(cmp_cache, torch.arange(12, dtype=i32), torch.randn(12, 512, generator=gen), "fp8_dsv41")

@@ -17,7 +17,6 @@ from compile_ops.formats import new_cache, num_slots
 import torch.nn.functional as F
 
 from compile_ops.mla.flashmla import bound_indices, flashmla_unavailable, padded_heads, write_outputs
-from compile_ops.mla.reference import sparse_mla_reference
 
 from test_mla_triton import errors, make_indices
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import compile_ops
-from compile_ops import write_kv
 from compile_ops.formats import KV_FORMATS, new_cache
 
 from test_compile import decode_step, inputs

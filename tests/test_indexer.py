@@ -17,7 +17,6 @@ import compile_ops
 import oracle
 from compile_ops.indexer.cache import INDEX_FORMATS, new_index_cache, read_index_keys
 from compile_ops.indexer import ops
-from compile_ops.indexer.reference import indexer_topk_reference
 from helpers import examples
 
 i32 = torch.int32

@@ -21,7 +21,6 @@ import torch
 
 import compile_ops
 from compile_ops import backends
-from compile_ops import write_kv
 from compile_ops.formats import get_format, new_cache, num_slots
 from compile_ops.mla import triton as mla_triton
 from compile_ops.mla.inputs import SparseMLAArgs

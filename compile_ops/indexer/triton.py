@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops.indexer.cache import INDEX_DIM
 from compile_ops.indexer.inputs import IndexerArgs
 from compile_ops.mla.plan import num_sms
 
