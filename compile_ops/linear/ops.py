@@ -1,8 +1,8 @@
 """``dsv41::fp8_linear``: schema, validation, fake, dispatch to the ``"linear"`` backends.
 
 A backend quantizes the activations per token per 128 values as
-:func:`compile_ops.linear.quant.quantize_tokens` does (the Triton kernel inside its GEMM)
-and multiplies them by the weight with fp32 accumulation.
+:func:`compile_ops.linear.quant.quantize_tokens` does (on CUDA a one-launch Triton
+quantizer, equal bit for bit) and multiplies them by the weight with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ scales (``quantize_tokens``); ``weight [N, K]`` float8_e4m3fn with ``weight_scal
 Products accumulate in fp32. Shapes follow the inputs only; no host sync. Backends, in
 ``auto`` order: ``scaled_mm`` (cuBLAS's blockwise FP8 GEMM through
 ``torch.nn.functional.scaled_mm``, on Hopper with a torch that has it, for calls of one
-group and at least 128 tokens), ``triton`` (a block-scaled FP8 GEMM that splits K over the
+group, at least 128 tokens and 2**19 outputs), ``triton`` (a block-scaled FP8 GEMM that splits K over the
 SMs for decode batches; any CUDA GPU), and the dequantizing plain-torch ``reference``.
 
 Example::

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from compile_ops.linear.quant import BLOCK
 
 # Smaller calls run faster on the Triton GEMM, which splits K over the SMs: cuBLAS's
-# blockwise kernels do not, and refuse 1 or 2 rows (docs/performance.md).
+# blockwise kernels do not, and refuse 1 or 2 rows (figures in docs/ops.md).
 MIN_TOKENS = 128
 MIN_OUTPUTS = 1 << 19  # tokens x output columns
 
