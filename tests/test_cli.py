@@ -92,11 +92,18 @@ def test_graphs_help_states_the_defaults_it_runs(capsys):
     ([], 2, "required: benchmark"),
     (["nope"], 2, "invalid choice: 'nope'"),
     (["slots", "--help"], 0, "--tokens"),
-], ids=["help", "none", "unknown", "benchmark-help"])
+    (["linear", "--tokens", "1,x"], 2, "expected comma-separated integers"),
+], ids=["help", "none", "unknown", "benchmark-help", "bad-tokens"])
 def test_bench_dispatcher(argv, status, says, capsys):
     assert exits(bench_main.main, argv)[0] == status
     out = capsys.readouterr()
     assert says in out.out + out.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_gpu_benchmarks_refuse_without_cuda(capsys):
+    assert bench_main.main(["linear", "--tokens", "1"]) == 1
+    assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
 def test_oracle_verdict_fails_on_outputs_or_picks():
