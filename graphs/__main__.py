@@ -18,7 +18,8 @@ decode cost in layers of 4K and 1M tokens of capacity (and plots with ``--plot``
 ``--dcp N`` serves the same workload under decode context parallelism instead: N processes
 (gloo on CPU, NCCL with one GPU each), each holding ``H / N`` heads and ``1 / N`` of the
 compressed and index-key caches (``--interleave``), compiled, and checks every token's
-output and top-k ids against the DCP=1 layer with the same weights.
+output and top-k ids against the DCP=1 layer with the same weights, and each rank's cache
+memory against DCP=1's.
 
 Examples::
 
@@ -308,6 +309,12 @@ def report(info: dict) -> None:
               + f" (ratio {c[-1]['replay_us'] / c[0]['replay_us']:.2f})")
 
 
+def cache_bytes(layer: DSV41Attention) -> int:
+    """Bytes of a layer's KV and index-key caches (what DCP shards, the SWA pool included)."""
+    return sum(b.numel() * b.element_size() for name, b in layer.named_buffers()
+               if name in ("swa_cache", "cmp_cache", "indexer.index_cache"))
+
+
 def dcp_worker(rank: int, args, store: str, out: str) -> None:
     """One rank of ``--dcp N``: the workload through the DCP layer and through a DCP=1
     layer with the same weights, compared token by token (outputs and top-k ids)."""
@@ -329,10 +336,11 @@ def dcp_worker(rank: int, args, store: str, out: str) -> None:
             cfg, cache, buckets = geometry(args, ratio)
             work = workload(args, cuda)
             xs = hidden_states(work, cfg.dim, seed=1, device=args.device)
-            served = []
+            served, held = [], []
             for dcp_cache, name in ((cache, None), (dataclasses.replace(cache, dcp_world=world,
                                                                         dcp_interleave=args.interleave), group)):
                 layer = DSV41Attention(cfg, dcp_cache, ratio, device=args.device, dcp_group=name)
+                held.append(cache_bytes(layer))
                 torch._dynamo.reset()  # each layer compiles afresh (the recompile limit counts code, not layers)
                 runner = StepRunner(layer, buckets)
                 if cuda:
@@ -348,7 +356,8 @@ def dcp_worker(rank: int, args, store: str, out: str) -> None:
             mismatched = sum(int((a != b).any(-1).sum()) for a, b in zip(got_ids, want_ids)) if ratio else 0
             tol = REL_TOL if cache.kv_format == "bf16" else FP8_CACHE_REL_TOL
             results[ratio] = {"tokens": sum(len(w) for w in want), "max_rel_diff": diff, "id_mismatches": mismatched,
-                              "tolerance": tol, "graph_breaks": breaks,
+                              "tolerance": tol, "graph_breaks": breaks, "cache_bytes_dcp1": held[0],
+                              "cache_bytes_per_rank": held[1],
                               "passed": diff <= tol and mismatched == 0 and breaks == 0}
     if rank == 0:
         with open(out, "w") as f:
@@ -379,7 +388,9 @@ def run_dcp(args) -> int:
         verdict = "PASS" if r["passed"] else "FAIL"
         print(f"ratio {ratio}: {verdict}: {r['tokens']} tokens, DCP={args.dcp} vs DCP=1 largest difference "
               f"{r['max_rel_diff']:.2e} of max |y| (tolerance {r['tolerance']:g}), {r['id_mismatches']} token(s) "
-              f"with other top-k ids, {r['graph_breaks']} graph breaks (compiled, fullgraph=True)")
+              f"with other top-k ids, {r['graph_breaks']} graph breaks (compiled, fullgraph=True); caches per rank "
+              f"{r['cache_bytes_per_rank'] / 2**20:.2f} MiB vs DCP=1 {r['cache_bytes_dcp1'] / 2**20:.2f} MiB = "
+              f"{r['cache_bytes_per_rank'] / r['cache_bytes_dcp1']:.3f}x")
         if not r["passed"]:
             failed.append(f"ratio {ratio}")
     print(f"\n{'FAIL: ' + ', '.join(failed) if failed else 'PASS: every layer'} (DCP={args.dcp} against DCP=1)")

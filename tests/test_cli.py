@@ -70,6 +70,7 @@ def test_graphs_serves_under_dcp_against_dcp1():
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "ratio 2: PASS" in run.stdout and "0 token(s) with other top-k ids, 0 graph breaks" in run.stdout
     assert "PASS: every layer (DCP=2 against DCP=1)" in run.stdout
+    assert "caches per rank" in run.stdout and "x\n" in run.stdout
 
 
 def test_graphs_checks_fp8_weights_against_the_dequantized_bf16_layer(capsys):
