@@ -27,15 +27,13 @@ from typing import Callable, Optional
 import torch
 
 import compile_ops
+from compile_ops.bench import BF16_FLOPS_PER_S, COPY_BYTES_PER_S
 from compile_ops.formats import get_format
 from compile_ops.indexer.cache import INDEX_DIM, get_index_format
 from graphs.attention import DSV41Attention
 from graphs.config import V41_FLASH, AttentionConfig, CacheConfig
 from graphs.runner import StepRunner
 
-# the H200's measured copy bandwidth and dense bf16 matrix rate (docs/performance.md)
-COPY_BYTES_PER_S = 4.3e12
-BF16_FLOPS_PER_S = 790e12
 
 
 def flash_cache(*, max_requests: int = 256, max_seq_len: int = 2048, page_size: int = 64, kv_format: str = "bf16",

@@ -18,9 +18,9 @@ import csv
 
 import torch
 
+from compile_ops.bench import COPY_BYTES_PER_S as HBM_BYTES_PER_S
 from compile_ops.bench.slots import graph_args, graph_time_us, int_list, no_cuda
 
-HBM_BYTES_PER_S = 4.3e12  # H200
 ENTRY_BYTES = 132
 PAGE = 64
 HEADS = 64

@@ -16,12 +16,12 @@ import csv
 import torch
 import torch.nn.functional as F
 
+from compile_ops.bench import COPY_BYTES_PER_S
 from compile_ops.bench.slots import graph_args, graph_time_us, int_list, no_cuda
 
 # V4.1-Flash's FP8 projections: name -> (N, K, groups); wo_a is 8 groups of 1024 x 4096
 FLASH_PROJECTIONS = {"wq_a": (1280, 5120, 1), "wq_b": (32768, 1280, 1), "wkv": (512, 5120, 1),
                      "wo_a": (8192, 4096, 8), "wo_b": (5120, 8192, 1), "indexer.wq_b": (4096, 1280, 1)}
-COPY_BYTES_PER_S = 4.3e12  # the H200's measured copy bandwidth (docs/performance.md)
 
 
 def floor_us(weight_bytes: int, M: int, N: int, K: int) -> float:

@@ -34,8 +34,10 @@ import time
 
 import torch
 
+from compile_ops.bench import BF16_FLOPS_PER_S as PEAK_FLOPS
+from compile_ops.bench import COPY_BYTES_PER_S as PEAK_BYTES
+
 FORMATS = ("bf16", "fp8", "fp8_ds_mla", "fp8_dsv41")
-PEAK_FLOPS, PEAK_BYTES = 790e12, 4.3e12  # bf16 matrix rate and copy bandwidth measured on the H200
 W, PAGE = 128, 64
 
 
