@@ -34,7 +34,7 @@ from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
 from graphs.metadata import StepInputs, step_inputs
-from graphs.rope import apply_rope, rope_tables, yarn_inv_freq
+from graphs.rope import apply_rope, layer_inv_freq, rope_tables
 
 
 def _dcp_rank(cfg: AttentionConfig, cache: CacheConfig, ratio: int, dcp_group: Optional[str]):
@@ -377,12 +377,7 @@ class DSV41Attention(nn.Module):
         self.indexer = Indexer(cfg, cache, ratio, device, self.dcp_group, linear) if cfg.has_indexer(ratio) else None
         self._register_load_state_dict_pre_hook(self._shard_full_weights)
 
-        if ratio:  # compressed layers use the compress theta with YaRN, SWA-only layers neither
-            inv = yarn_inv_freq(cfg.rope_head_dim, cache.max_seq_len, cfg.original_seq_len, cfg.compress_rope_theta,
-                                cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
-        else:
-            inv = yarn_inv_freq(cfg.rope_head_dim, cache.max_seq_len, 0, cfg.rope_theta, 1.0, 0, 0)
-        cos, sin = rope_tables(inv, cache.max_seq_len)
+        cos, sin = rope_tables(layer_inv_freq(cfg, ratio), cache.max_seq_len)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.register_buffer(

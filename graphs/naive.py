@@ -9,6 +9,7 @@ job run the layer over any steps and compare every token's output with
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -17,7 +18,6 @@ from torch import Tensor
 
 from compile_ops.formats import decode_rows, encode_rows
 from graphs.attention import DSV41Attention
-from graphs.rope import apply_rope
 
 
 def _linear(x: Tensor, layer: torch.nn.Linear) -> Tensor:
@@ -29,10 +29,35 @@ def _rms(x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
     return y if weight is None else y * weight.float()
 
 
+def _rope_freqs(layer: DSV41Attention) -> list[float]:
+    """The layer's RoPE frequencies from DeepSeek-V4's formula (not the layer's tables):
+    compressed layers ``compress_rope_theta`` with YaRN, sliding-only ones ``rope_theta``."""
+    cfg, d = layer.cfg, layer.rope_dim
+    if not layer.compress_ratio:
+        return [cfg.rope_theta ** (-2 * i / d) for i in range(d // 2)]
+    base = cfg.compress_rope_theta
+    freqs = [base ** (-2 * i / d) for i in range(d // 2)]
+    if cfg.original_seq_len <= 0:
+        return freqs
+
+    def dim_of(turns: float) -> float:  # the pair that turns ``turns`` times over original_seq_len
+        return d * math.log(cfg.original_seq_len / (2 * math.pi * turns)) / (2 * math.log(base))
+
+    lo, hi = max(math.floor(dim_of(cfg.beta_fast)), 0), min(math.ceil(dim_of(cfg.beta_slow)), d - 1)
+    ramp = [min(max((i - lo) / max(hi - lo, 1e-3), 0.0), 1.0) for i in range(d // 2)]
+    return [f * (1 - r) + f / cfg.rope_factor * r for f, r in zip(freqs, ramp)]
+
+
 def _rope(x: Tensor, positions: Tensor, layer: DSV41Attention, inverse: bool = False) -> Tensor:
+    """``x [S, ..., D]`` with its last ``rope_dim`` dims turned (pairs as complex numbers,
+    float64 angles) by ``positions [S]`` times :func:`_rope_freqs`."""
     rd = layer.rope_dim
-    cos, sin = layer.rope_cos[positions], layer.rope_sin[positions]
-    return torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos, sin, inverse)], dim=-1)
+    freqs = torch.tensor(_rope_freqs(layer), dtype=torch.float64, device=x.device)
+    angle = positions.double().view(-1, *([1] * (x.dim() - 2)), 1) * freqs
+    turn = torch.polar(torch.ones_like(angle), -angle if inverse else angle)
+    pairs = torch.view_as_complex(x[..., -rd:].double().reshape(*x.shape[:-1], rd // 2, 2).contiguous())
+    rotated = torch.view_as_real(pairs * turn).reshape(*x.shape[:-1], rd).to(x.dtype)
+    return torch.cat([x[..., :-rd], rotated], dim=-1)
 
 
 def _stored(rows: Tensor, layer: DSV41Attention) -> Tensor:

@@ -13,12 +13,15 @@ import math
 import torch
 
 
-def yarn_inv_freq(dim: int, max_seq_len: int, original_seq_len: int, base: float, factor: float,
-                  beta_fast: int, beta_slow: int) -> torch.Tensor:
-    """Inverse frequencies ``[dim // 2]`` fp32; YaRN-interpolated when ``max_seq_len``
-    exceeds ``original_seq_len > 0`` (as DeepSeek's reference ``precompute_freqs_cis``)."""
+def yarn_inv_freq(dim: int, original_seq_len: int, base: float, factor: float, beta_fast: int,
+                  beta_slow: int) -> torch.Tensor:
+    """Inverse frequencies ``[dim // 2]`` fp32 of base ``base``, YaRN-interpolated whenever
+    ``original_seq_len > 0`` (DeepSeek-V4's ``precompute_freqs_cis``: V4 applies YaRN
+    regardless of the context a cache is sized for, unlike V3, which applied it only past
+    ``original_seq_len``); pair ``i`` keeps ``base ** (-2i / dim)`` below the ramp, is
+    divided by ``factor`` above it."""
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    if original_seq_len > 0 and max_seq_len > original_seq_len:
+    if original_seq_len > 0:
         def correction_dim(rotations: float) -> float:
             return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
@@ -27,6 +30,18 @@ def yarn_inv_freq(dim: int, max_seq_len: int, original_seq_len: int, base: float
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
         inv = inv / factor * ramp + inv * (1 - ramp)
     return inv.float()
+
+
+def layer_inv_freq(cfg, compress_ratio: int) -> torch.Tensor:
+    """The RoPE frequencies of a layer (DeepSeek-V4's rule): a compressed layer (``ratio >
+    0``: its q, kv, compressor and indexer alike) uses ``cfg.compress_rope_theta`` with
+    YaRN (``cfg.rope_factor``, ``cfg.original_seq_len``, ``cfg.beta_fast`` /
+    ``beta_slow``); a sliding-only layer uses plain ``cfg.rope_theta``. ``cfg`` is a
+    :class:`graphs.AttentionConfig`."""
+    if compress_ratio:
+        return yarn_inv_freq(cfg.rope_head_dim, cfg.original_seq_len, cfg.compress_rope_theta, cfg.rope_factor,
+                             cfg.beta_fast, cfg.beta_slow)
+    return yarn_inv_freq(cfg.rope_head_dim, 0, cfg.rope_theta, 1.0, 0, 0)
 
 
 def rope_tables(inv_freq: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

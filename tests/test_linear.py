@@ -1,7 +1,8 @@
-"""The block-scaled FP8 linear (``dsv41::fp8_linear``) on the CPU: the quantizer's error
-bound, the reference against a float64 oracle of the dequantized operands, the Triton
-kernel under the interpreter against the reference, the fake kernel (opcheck), bad
-inputs, and an sm_90 build of the kernel."""
+"""The block-scaled FP8 linear (``dsv41::fp8_linear``) on the CPU, in both of DeepSeek's
+weight layouts (128 x 128 blocks with fp32 scales, 32 x 32 with ue8m0 scales): the
+quantizer's error bound, the reference against a float64 oracle of the dequantized
+operands, the Triton kernel under the interpreter against the reference, the fake kernel
+(opcheck), bad inputs, and an sm_90 build of the kernel."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 import compile_ops
 from compile_ops.bench.linear import FLASH_PROJECTIONS
 from compile_ops.linear import dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
-from compile_ops.linear.quant import BLOCK, E4M3_MAX
+from compile_ops.linear.quant import E4M3_MAX, LAYOUTS
 from test_opcheck import opcheck
 
 SHAPES = [(1, 64, 64), (3, 200, 300), (20, 128, 256), (17, 384, 130)]
+BLOCKS = [pytest.param(128, id="128-fp32"), pytest.param(32, id="32-ue8m0")]
 
 
 def _e4m3_bound(x: torch.Tensor, scale_per_value: torch.Tensor) -> torch.Tensor:
@@ -22,40 +24,67 @@ def _e4m3_bound(x: torch.Tensor, scale_per_value: torch.Tensor) -> torch.Tensor:
     return 2**-4 * x.abs() + 2**-9 * scale_per_value
 
 
+def _is_power_of_two(s: torch.Tensor) -> bool:
+    mantissa, _ = torch.frexp(s.float())
+    return bool((mantissa == 0.5).all())
+
+
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("N, K", [(64, 64), (200, 300), (384, 130)])
-def test_block_quantizer_rounds_within_the_e4m3_bound(N, K):
+def test_block_quantizer_rounds_within_the_e4m3_bound(N, K, block):
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(N)) * torch.logspace(-3, 2, K)
-    q, scale = quantize_blocks(w)
-    assert q.dtype == torch.float8_e4m3fn and scale.shape == (-(-N // BLOCK), -(-K // BLOCK))
-    per_value = scale.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    q, scale = quantize_blocks(w, block)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (-(-N // block), -(-K // block))
+    assert scale.dtype == LAYOUTS[block].scale_dtype
+    per_value = scale.float().repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
     assert ((dequantize_blocks(q, scale) - w).abs() <= _e4m3_bound(w, per_value)).all()
-    assert (q.float().abs().amax() <= E4M3_MAX) and torch.equal(quantize_blocks(torch.zeros(3, 5))[1], torch.ones(1, 1))
+    assert q.float().abs().amax() <= E4M3_MAX
+    assert torch.equal(quantize_blocks(torch.zeros(3, 5), block)[1].float(), torch.ones(1, 1))
+    if block == 32:  # the smallest power of two >= amax / 448: never clipped, less than 2x larger
+        padded = torch.zeros(-(-N // block) * block, -(-K // block) * block)
+        padded[:N, :K] = w
+        amax = padded.view(-(-N // block), block, -(-K // block), block).abs().amax(dim=(1, 3))
+        assert _is_power_of_two(scale)
+        assert (scale.float() >= amax / E4M3_MAX).all() and (scale.float() < 2 * amax / E4M3_MAX).all()
 
 
-def test_token_quantizer_rounds_within_the_e4m3_bound():
+@pytest.mark.parametrize("block", BLOCKS)
+def test_token_quantizer_rounds_within_the_e4m3_bound(block):
     x = torch.randn(7, 300, generator=torch.Generator().manual_seed(1)) * 30
-    q, scale = quantize_tokens(x)
-    assert scale.shape == (7, 3)
-    back = q.float() * scale.repeat_interleave(BLOCK, 1)[:, :300]
-    assert ((back - x).abs() <= _e4m3_bound(x, scale.repeat_interleave(BLOCK, 1)[:, :300])).all()
+    q, scale = quantize_tokens(x, block)
+    assert scale.shape == (7, -(-300 // block)) and scale.dtype == torch.float32
+    per_value = scale.repeat_interleave(block, 1)[:, :300]
+    back = q.float() * per_value
+    assert ((back - x).abs() <= _e4m3_bound(x, per_value)).all()
+    if block == 32:
+        assert _is_power_of_two(scale)
 
 
+def test_power_of_two_scales_are_the_next_power_of_two_of_amax_over_448():
+    """DeepSeek's ``fast_round_scale``: ``2 ** ceil(log2(amax / 448))``, exact powers kept."""
+    x = torch.tensor([[448.0] * 32, [449.0] * 32, [224.0] * 31 + [0.0], [0.0] * 32, [3e-3] * 32])
+    _, scale = quantize_tokens(x, 32)
+    assert scale.flatten().tolist() == [1.0, 2.0, 0.5, 1.0, 2.0**-17]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("M, N, K", SHAPES)
-def test_reference_equals_the_float64_product_of_the_quantized_operands(M, N, K):
+def test_reference_equals_the_float64_product_of_the_quantized_operands(M, N, K, block):
     gen = torch.Generator().manual_seed(M * N)
     x = torch.randn(M, K, generator=gen).bfloat16()
-    wq, ws = quantize_blocks(torch.randn(N, K, generator=gen) / K**0.5)
+    wq, ws = quantize_blocks(torch.randn(N, K, generator=gen) / K**0.5, block)
     with compile_ops.use_backends(linear="reference"):
         got = fp8_linear(x, wq, ws)
-    xq, xs = quantize_tokens(x)
-    oracle = (xq.double() * xs.double().repeat_interleave(BLOCK, 1)[:, :K]) @ dequantize_blocks(wq, ws).double().t()
+    xq, xs = quantize_tokens(x, block)
+    oracle = (xq.double() * xs.double().repeat_interleave(block, 1)[:, :K]) @ dequantize_blocks(wq, ws).double().t()
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     assert ((got.double() - oracle).abs() <= 2**-8 * oracle.abs() + 1e-5).all()  # one bf16 rounding
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("M, N, K, splits", [(1, 64, 64, 1), (3, 200, 300, 3), (20, 128, 256, 2), (17, 384, 130, 2),
                                              (2, 128, 1024, 8), (70, 256, 640, 5), (600, 2048, 256, 1)])
-def test_triton_kernel_equals_the_reference(M, N, K, splits):
+def test_triton_kernel_equals_the_reference(M, N, K, splits, block):
     """Quantized inside the GEMM as ``quantize_tokens`` does, with K split over ``splits``
     programs per tile (fewer tiles than two per SM) or not (600 x 2048: 160 tiles)."""
     from compile_ops.linear.reference import fp8_linear_reference
@@ -63,16 +92,18 @@ def test_triton_kernel_equals_the_reference(M, N, K, splits):
 
     gen = torch.Generator().manual_seed(K)
     x = (torch.randn(M, K, generator=gen) * torch.logspace(-2, 1, K)).bfloat16()
-    x[0, :BLOCK] = 0  # an all-zero block: scale 1, not a division by zero
-    wq, ws = quantize_blocks(torch.randn(N, K, generator=gen) / K**0.5)
+    x[0, :block] = 0  # an all-zero block: scale 1, not a division by zero
+    wq, ws = quantize_blocks(torch.randn(N, K, generator=gen) / K**0.5, block)
     want = fp8_linear_reference(x, wq, ws).float()
     got = fp8_linear_triton(x, wq, ws).float()
     assert ((got - want).abs() <= 2**-7 * want.abs().max()).all()  # summation order + one bf16 rounding
-    assert k_splits(M, N, K) == splits
+    if block == 128:  # (32-blocks: 4x the K blocks, split as finely)
+        assert k_splits(M, N, K) == splits
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("M", [1, 19])
-def test_grouped_linear_equals_one_linear_per_group(M):
+def test_grouped_linear_equals_one_linear_per_group(M, block):
     """``groups = 4``: output columns of group g are x's K columns of group g times W_g."""
     from compile_ops.linear.reference import fp8_linear_reference
     from compile_ops.linear.triton import fp8_linear_triton
@@ -80,33 +111,48 @@ def test_grouped_linear_equals_one_linear_per_group(M):
     gen = torch.Generator().manual_seed(M)
     G, N, K = 4, 128, 256
     x = torch.randn(M, G * K, generator=gen).bfloat16()
-    wq, ws = quantize_blocks(torch.randn(G * N, K, generator=gen) / K**0.5)
+    wq, ws = quantize_blocks(torch.randn(G * N, K, generator=gen) / K**0.5, block)
+    rows = N // block  # scale rows per group
     with compile_ops.use_backends(linear="reference"):
         grouped = fp8_linear(x, wq, ws, 4)
-        per_group = torch.cat([fp8_linear(x[:, g * K:(g + 1) * K], wq[g * N:(g + 1) * N], ws[g:g + 1]) for g in range(G)], 1)
+        per_group = torch.cat([fp8_linear(x[:, g * K:(g + 1) * K], wq[g * N:(g + 1) * N], ws[g * rows:(g + 1) * rows])
+                               for g in range(G)], 1)
     assert torch.equal(grouped, per_group)
     got = fp8_linear_triton(x, wq, ws, 4).float()
     want = fp8_linear_reference(x, wq, ws, 4).float()
     assert ((got - want).abs() <= 2**-7 * want.abs().max()).all()
 
 
-def test_fake_kernel_and_schema():
-    wq, ws = quantize_blocks(torch.randn(130, 200))
+@pytest.mark.parametrize("block", BLOCKS)
+def test_fake_kernel_and_schema(block):
+    wq, ws = quantize_blocks(torch.randn(130, 200), block)
     opcheck(torch.ops.dsv41.fp8_linear.default, (torch.randn(5, 200).bfloat16(), wq, ws))
-    wq, ws = quantize_blocks(torch.randn(256, 128))
+    wq, ws = quantize_blocks(torch.randn(256, 128), block)
     opcheck(torch.ops.dsv41.fp8_linear.default, (torch.randn(3, 256).bfloat16(), wq, ws, 2))
 
 
 @pytest.mark.parametrize("args, says", [
     (lambda w, s: (torch.randn(2, 199).bfloat16(), w, s), "x must be \\[M, groups \\* K\\] with K = weight.shape\\[1\\] = 200"),
-    (lambda w, s: (torch.randn(2, 400).bfloat16(), w, s, 2), "whole 128-blocks per group"),
-    (lambda w, s: (torch.randn(2, 200).bfloat16(), w, s[:, :1]), "weight_scale must be \\[ceil\\(N/128\\)"),
+    (lambda w, s: (torch.randn(2, 400).bfloat16(), w, s, 2), "N / groups a multiple of 128"),
+    (lambda w, s: (torch.randn(2, 200).bfloat16(), w, s[:, :1]), "weight_scale \\(.*\\) must be \\[ceil\\(N/"),
     (lambda w, s: (torch.randn(2, 200).bfloat16(), w.float(), s), "weight"),
-], ids=["K", "groups-blocks", "scale-shape", "weight-dtype"])
-def test_bad_inputs_are_refused(args, says):
-    wq, ws = quantize_blocks(torch.randn(130, 200))
+    (lambda w, s: (torch.randn(2, 200).bfloat16(), w, s.to(torch.bfloat16)), "float32 or torch.float8_e8m0fnu"),
+    (lambda w, s: (torch.randn(2, 200).bfloat16(), w, s.float() if s.dtype != torch.float32 else s.to(torch.float8_e8m0fnu)),
+     "weight_scale \\(.*\\) must be \\[ceil\\(N/"),
+], ids=["K", "groups-blocks", "scale-shape", "weight-dtype", "scale-dtype", "scale-of-the-other-layout"])
+@pytest.mark.parametrize("block", BLOCKS)
+def test_bad_inputs_are_refused(args, says, block):
+    wq, ws = quantize_blocks(torch.randn(130, 200), block)
     with pytest.raises((ValueError, TypeError), match=says):
         fp8_linear(*args(wq, ws))
+
+
+@pytest.mark.parametrize("block", [64, 0, [128, 32], [32, 32, 1], True])
+def test_other_block_layouts_are_refused(block):
+    from compile_ops.linear import layout_of_block
+
+    with pytest.raises(ValueError, match="128 x 128 with fp32 scales .* or 32 x 32 with ue8m0|must be square"):
+        layout_of_block(block)
 
 
 SM90_BUILD = """
@@ -122,22 +168,28 @@ def build(kernel, signature, constants):
     return triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
-gemm = {"a": "*fp8e4nv", "a_s": "*fp32", "b": "*fp8e4nv", "b_s": "*fp32", "c": "*fp32", "M": "i32", "N": "i32",
-        "K": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_ask": "i32", "stride_bn": "i32",
-        "stride_bs": "i32", "stride_cm": "i32", "GROUP_N": "i32", "BLOCKS_PER_SPLIT": "i32", "BM": "constexpr",
-        "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr"}
+def gemm(scale):
+    return {"a": "*fp8e4nv", "a_s": "*fp32", "b": "*fp8e4nv", "b_s": scale, "c": "*fp32", "M": "i32", "N": "i32",
+            "K": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_ask": "i32", "stride_bn": "i32",
+            "stride_bs": "i32", "stride_cm": "i32", "GROUP_N": "i32", "BLOCKS_PER_SPLIT": "i32", "BM": "constexpr",
+            "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr", "E8M0": "constexpr"}
+
+
 for bm in (16, 64):
-    ptx = build(kernels._fp8_gemm_kernel, gemm, {"BM": bm, "BN": 128, "BK": 128, "ITERS": 0, "PARTIAL": bm == 16})
-    print(bm, "wgmma" in ptx or "mma.sync" in ptx)
+    for bk, scale in ((128, "*fp32"), (32, "*u8")):
+        ptx = build(kernels._fp8_gemm_kernel, gemm(scale),
+                    {"BM": bm, "BN": 128, "BK": bk, "ITERS": 0, "PARTIAL": bm == 16, "E8M0": bk == 32})
+        print(f"{bm}x{bk}", "wgmma" in ptx or "mma.sync" in ptx)
 quant = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
-         "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr"}
-ptx = build(kernels._quantize_kernel, quant, {"BM": 16, "BK": 128, "QMAX": 448.0})
-print("quant", "div.rn.f32" in ptx)
+         "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "POW2": "constexpr"}
+for bk in (128, 32):
+    ptx = build(kernels._quantize_kernel, quant, {"BM": 16, "BK": bk, "QMAX": 448.0, "POW2": bk == 32})
+    print(f"quant{bk}", "div.rn.f32" in ptx)
 """
 
 
 def test_kernel_builds_for_sm90():
-    """The launches the GPU runs (GEMM tiles of 16 and 64 rows, the quantizer), compiled for
+    """The launches the GPU runs (GEMM tiles of 16 and 64 rows, both layouts, the quantizer), compiled for
     sm_90 without a GPU: in a
     process of its own, since the interpreter (TRITON_INTERPRET=1 here) patches Triton's
     language module for the whole process."""
@@ -149,19 +201,21 @@ def test_kernel_builds_for_sm90():
     run = subprocess.run([sys.executable, "-c", SM90_BUILD], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     # tensor-core MMAs, and correctly rounded divisions in the quantizer
-    assert run.stdout.split() == ["16", "True", "64", "True", "quant", "True"], run.stdout
+    assert run.stdout.split() == ["16x128", "True", "16x32", "True", "64x128", "True", "64x32", "True",
+                                  "quant128", "True", "quant32", "True"], run.stdout
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_triton_quantizer_equals_quantize_tokens(device):
+def test_triton_quantizer_equals_quantize_tokens(device, block):
     """Bit for bit, subnormals and ties included (x spans 5 decades per block)."""
     from compile_ops.linear.triton import quantize_tokens_triton
 
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(300, 1300, generator=gen) * torch.logspace(-3, 2, 1300)).bfloat16().to(device)
     x[3, 128:256] = 0
-    q, scale = quantize_tokens_triton(x)
-    want_q, want_scale = quantize_tokens(x)
+    q, scale = quantize_tokens_triton(x, block)
+    want_q, want_scale = quantize_tokens(x, block)
     assert scale.stride() == (1, 300)  # outer-dim-major, as scaled_mm takes it
     assert torch.equal(q.float(), want_q.float()) and torch.equal(scale, want_scale)
 
@@ -185,19 +239,20 @@ FLASH_LINEARS = list(FLASH_PROJECTIONS.values())  # (N, K, groups) of V4.1-Flash
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("N, K, groups", FLASH_LINEARS)
 @pytest.mark.parametrize("M", [1, 7, 64, 300, 4096])
-def test_gpu_backends_equal_the_reference(M, N, K, groups):
-    """Each CUDA backend that takes the call (Triton: all; cuBLAS: one group, >= 128 tokens,
-    >= 2**19 outputs) at the layer's shapes; ``auto`` picks cuBLAS where it can."""
+def test_gpu_backends_equal_the_reference(M, N, K, groups, block):
+    """Each CUDA backend that takes the call (Triton: all; cuBLAS: 128-blocks, one group,
+    >= 128 tokens, >= 2**19 outputs) at the layer's shapes; ``auto`` picks cuBLAS where it can."""
     from compile_ops.backends import resolve
 
     gen = torch.Generator(device="cuda").manual_seed(M + N)
     x = torch.randn(M, groups * K, device="cuda", generator=gen).bfloat16()
-    wq, ws = quantize_blocks(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
+    wq, ws = quantize_blocks(torch.randn(N, K, device="cuda", generator=gen) / K**0.5, block)
     with compile_ops.use_backends(linear="reference"):
         want = fp8_linear(x, wq, ws, groups).float()
-    cublas = groups == 1 and M >= 128 and M * N >= 1 << 19
+    cublas = block == 128 and groups == 1 and M >= 128 and M * N >= 1 << 19
     assert resolve("linear", x.device, args=(x, wq, ws, groups))[0] == ("scaled_mm" if cublas else "triton")
     for backend in ("triton", "scaled_mm") if cublas else ("triton",):
         with compile_ops.use_backends(linear=backend):

@@ -1,6 +1,7 @@
 """``dsv41::fp8_linear``: schema, validation, fake, dispatch to the ``"linear"`` backends.
 
-A backend quantizes the activations per token per 128 values as
+A backend quantizes the activations per token per block of the weight's layout (128
+values with fp32 scales, or 32 with power-of-two scales) as
 :func:`compile_ops.linear.quant.quantize_tokens` does (on CUDA a one-launch Triton
 quantizer, equal bit for bit) and multiplies them by the weight with fp32 accumulation.
 """
@@ -12,27 +13,29 @@ from torch import Tensor
 
 from compile_ops import backends
 from compile_ops._checks import check_tensor
-from compile_ops.linear.quant import BLOCK, dequantize_blocks, quantize_blocks, quantize_tokens
+from compile_ops.linear.quant import (BLOCK, LAYOUTS, TILE_N, BlockLayout, dequantize_blocks, layout_of_block, layout_of_scale,
+                                      quantize_blocks, quantize_tokens)
 from compile_ops.linear.reference import fp8_linear_reference
 
 
 def _check(x, weight, weight_scale, groups):
     check_tensor("x", x, (torch.bfloat16, torch.float32), 2)
     check_tensor("weight", weight, torch.float8_e4m3fn, 2, x.device)
-    check_tensor("weight_scale", weight_scale, torch.float32, 2, x.device)
+    check_tensor("weight_scale", weight_scale, [layout.scale_dtype for layout in LAYOUTS.values()], 2, x.device)
+    B = layout_of_scale(weight_scale).block
     N, K = weight.shape
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"groups must be an int >= 1, got {groups!r}")
-    if groups > 1 and (N % (groups * BLOCK) or K % BLOCK):
-        raise ValueError(f"with groups={groups}, weight [{N}, {K}] must hold whole {BLOCK}-blocks per group: "
-                         f"N / groups and K multiples of {BLOCK}")
+    if groups > 1 and (N % (groups * TILE_N) or K % B):
+        raise ValueError(f"with groups={groups}, weight [{N}, {K}] must hold whole blocks per group: N / groups a "
+                         f"multiple of {TILE_N} and K of {B}")
     if x.shape[1] != groups * K:
         raise ValueError(f"x must be [M, groups * K] with K = weight.shape[1] = {K}, groups = {groups}, "
                          f"got {list(x.shape)}")
-    want = (-(-N // BLOCK), -(-K // BLOCK))
+    want = (-(-N // B), -(-K // B))
     if tuple(weight_scale.shape) != want:
-        raise ValueError(f"weight_scale must be [ceil(N/{BLOCK}), ceil(K/{BLOCK})] = {list(want)} for weight "
-                         f"[{N}, {K}], got {list(weight_scale.shape)}")
+        raise ValueError(f"weight_scale ({weight_scale.dtype}: {B} x {B} blocks) must be [ceil(N/{B}), ceil(K/{B})] "
+                         f"= {list(want)} for weight [{N}, {K}], got {list(weight_scale.shape)}")
 
 
 @torch.library.custom_op("dsv41::fp8_linear", mutates_args=())
@@ -57,14 +60,18 @@ holds ``G`` stacked ``[N / G, K]`` weights, and output columns ``g * N / G ..`` 
 ``x[:, g * K : (g + 1) * K] @ W_g^T`` (the attention layer's ``wo_a``; ``N / G`` and ``K``
 whole 128-blocks).
 
-``x [M, K]`` bf16 (or fp32) is quantized per token per 128 values to e4m3 with fp32
-scales (``quantize_tokens``); ``weight [N, K]`` float8_e4m3fn with ``weight_scale
-[ceil(N/128), ceil(K/128)]`` fp32 (DeepSeek's 128 x 128 blocks, ``w = weight * scale``).
-Products accumulate in fp32. Shapes follow the inputs only; no host sync. Backends, in
-``auto`` order: ``scaled_mm`` (cuBLAS's blockwise FP8 GEMM through
-``torch.nn.functional.scaled_mm``, on Hopper with a torch that has it, for calls of one
-group, at least 128 tokens and 2**19 outputs), ``triton`` (a block-scaled FP8 GEMM that splits K over the
-SMs for decode batches; any CUDA GPU), and the dequantizing plain-torch ``reference``.
+``x [M, K]`` bf16 (or fp32) is quantized per token per block to e4m3; ``weight [N, K]``
+float8_e4m3fn with ``weight_scale`` in one of DeepSeek's two layouts, told apart by its
+dtype (``compile_ops.linear.LAYOUTS``): fp32 ``[ceil(N/128), ceil(K/128)]`` (V4's 128 x
+128 blocks, activations per 128 values with fp32 scales) or float8_e8m0fnu ``[ceil(N/32),
+ceil(K/32)]`` (V4.1's 32 x 32 blocks, activations per 32 values with power-of-two
+scales); ``w = weight * scale``. Any other scale dtype or shape is refused. Products
+accumulate in fp32. Shapes follow the inputs only; no host sync. Backends, in ``auto``
+order: ``scaled_mm`` (cuBLAS's blockwise FP8 GEMM through
+``torch.nn.functional.scaled_mm``, on Hopper with a torch that has it, for 128-block
+calls of one group, at least 128 tokens and 2**19 outputs), ``triton`` (a block-scaled
+FP8 GEMM that splits K over the SMs for decode batches; any CUDA GPU, both layouts), and
+the dequantizing plain-torch ``reference``.
 
 Example::
 
@@ -83,4 +90,5 @@ backends.register_backend("linear", "triton", backends.cuda_with_triton,
                           {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
 backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})
 
-__all__ = ["BLOCK", "dequantize_blocks", "fp8_linear", "quantize_blocks", "quantize_tokens"]
+__all__ = ["BLOCK", "LAYOUTS", "BlockLayout", "dequantize_blocks", "fp8_linear", "layout_of_block", "layout_of_scale",
+           "quantize_blocks", "quantize_tokens"]

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from compile_ops.linear.quant import BLOCK, dequantize_blocks, quantize_tokens
+from compile_ops.linear.quant import dequantize_blocks, layout_of_scale, quantize_tokens
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          groups: int = 1) -> torch.Tensor:
     """``q(x) @ (weight * weight_scale)^T`` in fp32 (per group), bf16 ``[M, N]`` out, where
-    ``q(x)`` is ``x`` rounded per token per 128 values (``quantize_tokens``)."""
-    xq, x_scale = quantize_tokens(x)
-    xd = xq.float() * x_scale.repeat_interleave(BLOCK, dim=1)[:, : xq.shape[1]]
+    ``q(x)`` is ``x`` rounded per token per block of ``weight_scale``'s layout
+    (``quantize_tokens``)."""
+    block = layout_of_scale(weight_scale).block
+    xq, x_scale = quantize_tokens(x, block)
+    xd = xq.float() * x_scale.repeat_interleave(block, dim=1)[:, : xq.shape[1]]
     w = dequantize_blocks(weight, weight_scale)
     if groups == 1:
         return (xd @ w.t()).to(torch.bfloat16)

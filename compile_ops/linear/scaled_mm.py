@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from compile_ops.linear.quant import BLOCK
+from compile_ops.linear.quant import BLOCK, layout_of_scale
 
 # Smaller calls run faster on the Triton GEMM, which splits K over the SMs: cuBLAS's
 # blockwise kernels do not, and refuse 1 or 2 rows (figures in docs/ops.md).
@@ -37,10 +37,12 @@ def available(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
 
 
 def limits(args: tuple) -> Optional[str]:
-    """Per call: one group, ``N`` and ``K`` whole 128-blocks, at least :data:`MIN_TOKENS`
+    """Per call: 128 x 128 fp32-scaled blocks, one group, ``N`` and ``K`` whole 128-blocks, at least :data:`MIN_TOKENS`
     tokens and :data:`MIN_OUTPUTS` output values."""
-    x, weight, _, groups = args
+    x, weight, weight_scale, groups = args
     N, K = weight.shape
+    if layout_of_scale(weight_scale).block != BLOCK:
+        return "cuBLAS's blockwise scaling is 128 x 128 with fp32 scales: 32 x 32 ue8m0 blocks run on the Triton GEMM"
     if groups != 1:
         return "grouped projections run on the Triton GEMM"
     if N % BLOCK or K % BLOCK:

@@ -1,10 +1,12 @@
 """Triton kernels of ``fp8_linear``: the token quantizer and a block-scaled FP8 GEMM.
 
 * :func:`quantize_tokens_triton` is :func:`compile_ops.linear.quant.quantize_tokens` in one
-  launch: e4m3 values ``[M, K]`` and fp32 scales ``[M, ceil(K/128)]`` stored outer-dim-major
-  (stride ``(1, M)``), the layout ``torch.nn.functional.scaled_mm`` takes.
-* :func:`fp8_linear_triton`: ``C = (A * a_scale) (B * b_scale)^T``. Program ``(m, n, s)``
-  owns a ``BM x BN`` tile of ``C`` and split ``s`` of the K blocks; per 128-wide K block it
+  launch: e4m3 values ``[M, K]`` and fp32 scales ``[M, ceil(K/block)]`` stored
+  outer-dim-major (stride ``(1, M)``), the layout ``torch.nn.functional.scaled_mm`` takes.
+* :func:`fp8_linear_triton`: ``C = (A * a_scale) (B * b_scale)^T`` in either weight layout
+  (``block`` 128 with fp32 scales, 32 with ue8m0 bytes turned into ``2 ** (e - 127)`` from
+  their exponent bits). Program ``(m, n, s)`` owns a ``BM x BN`` tile of ``C`` and split
+  ``s`` of the K blocks; per ``block``-wide K block it
   ``tl.dot``\\ s the e4m3 tiles of the tokens and the weight rows and adds the product
   scaled by both blocks' scales, in fp32 (precise accumulation: Hopper's fast FP8
   accumulation keeps too few bits). Decode steps have few tokens, so an ``M x N`` grid
@@ -26,7 +28,7 @@ import triton
 import triton.language as tl
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops.linear.quant import BLOCK, E4M3_MAX
+from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, layout_of_block, layout_of_scale
 
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
 TARGET_PROGRAMS = 264
@@ -46,14 +48,19 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr):
+def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr,
+                     POW2: tl.constexpr):
     i_m, i_k = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
     o_k = i_k * BK + tl.arange(0, BK)
     mask = (o_m < M)[:, None] & (o_k < K)[None, :]
     v = tl.load(x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), axis=1)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32)), 1.0)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    if POW2:  # 2 ** ceil(log2(scale)): the next exponent unless the mantissa is zero
+        bits = scale.to(tl.int32, bitcast=True)
+        scale = (((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(amax > 0, scale, 1.0)
     # rounded before the cast, which then is exact: Triton's fp32 -> e4m3 cast may round
     # twice (through fp16) on the GPU, and does not carry into the exponent in the interpreter
     v = _round_to_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -QMAX, QMAX))
@@ -61,15 +68,16 @@ def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexp
     tl.store(s + i_k.to(tl.int64) * M + o_m, scale, mask=o_m < M)
 
 
-def quantize_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (bf16 or fp32) -> ``(float8_e4m3fn [M, K], fp32 scale [M, ceil(K/128)])``
-    equal to ``quantize_tokens(x)``; the scale is a transposed view (stride ``(1, M)``)."""
+def quantize_tokens_triton(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (bf16 or fp32) -> ``(float8_e4m3fn [M, K], fp32 scale [M, ceil(K/block)])``
+    equal to ``quantize_tokens(x, block)``; the scale is a transposed view (stride ``(1, M)``)."""
+    layout = layout_of_block(block)
     M, K = x.shape
     x = x.contiguous()
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(triton.cdiv(K, BLOCK), M, dtype=torch.float32, device=x.device)
-    launchable(_quantize_kernel, x)[(triton.cdiv(M, QUANT_ROWS), triton.cdiv(K, BLOCK))](
-        x, q, scale, M, K, x.stride(0), BM=QUANT_ROWS, BK=BLOCK, QMAX=E4M3_MAX)
+    scale = torch.empty(triton.cdiv(K, block), M, dtype=torch.float32, device=x.device)
+    launchable(_quantize_kernel, x)[(triton.cdiv(M, QUANT_ROWS), triton.cdiv(K, block))](
+        x, q, scale, M, K, x.stride(0), BM=QUANT_ROWS, BK=block, QMAX=E4M3_MAX, POW2=layout.power_of_two)
     return q, scale.t()
 
 
@@ -78,6 +86,7 @@ def _fp8_gemm_kernel(
     a, a_s, b, b_s, c, M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bs, stride_cm, GROUP_N,
     BLOCKS_PER_SPLIT,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr, PARTIAL: tl.constexpr,
+    E8M0: tl.constexpr,
 ):
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -103,7 +112,11 @@ def _fp8_gemm_kernel(
         part = tl.dot(t_a, tl.trans(t_b), max_num_imprecise_acc=0)
         live = i * BK < K  # the interpreter's fixed trip count runs past the last block
         s_a = tl.load(a_s + o_m * stride_asm + i * stride_ask, mask=m_m & live, other=0.0)
-        s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0.0)
+        if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
+            s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0).to(tl.int32)
+            s_b = (s_b << 23).to(tl.float32, bitcast=True)
+        else:
+            s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0.0)
         acc += part * s_a[:, None] * s_b[None, :]
     out = c + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :]
     if PARTIAL:
@@ -127,32 +140,37 @@ def tile_rows(M: int) -> int:
     return 16 if M <= 16 else 64
 
 
-def k_splits(M: int, N: int, K: int) -> int:
-    """How many programs share a tile's K blocks: enough for :data:`TARGET_PROGRAMS`."""
-    tiles = triton.cdiv(M, tile_rows(M)) * triton.cdiv(N, BLOCK)
-    k_blocks = triton.cdiv(K, BLOCK)
+def k_splits(M: int, N: int, K: int, block: int = BLOCK) -> int:
+    """How many programs share a tile's ``block``-wide K blocks: enough for :data:`TARGET_PROGRAMS`."""
+    tiles = triton.cdiv(M, tile_rows(M)) * triton.cdiv(N, TILE_N)
+    k_blocks = triton.cdiv(K, block)
     per_split = triton.cdiv(k_blocks, max(1, min(k_blocks, TARGET_PROGRAMS // tiles)))
     return triton.cdiv(k_blocks, per_split)
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       groups: int = 1) -> torch.Tensor:
-    """bf16 ``[M, N]`` of ``x [M, groups * K]`` (bf16 or fp32, quantized per token per 128)
-    times e4m3 ``weight [N, K]`` (scales ``[ceil(N/128), ceil(K/128)]``) transposed, per group."""
+    """bf16 ``[M, N]`` of ``x [M, groups * K]`` (bf16 or fp32, quantized per token per block)
+    times e4m3 ``weight [N, K]`` (scales ``[ceil(N/block), ceil(K/block)]``, fp32 or ue8m0)
+    transposed, per group."""
+    layout = layout_of_scale(weight_scale)
+    block = layout.block
     M = x.shape[0]
     N, K = weight.shape
-    xq, x_scale = quantize_tokens_triton(x)
+    xq, x_scale = quantize_tokens_triton(x, block)
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
+    if layout.power_of_two:
+        weight_scale = weight_scale.view(torch.uint8)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-    BM, k_blocks = tile_rows(M), triton.cdiv(K, BLOCK)
-    splits = k_splits(M, N, K)
+    BM, k_blocks = tile_rows(M), triton.cdiv(K, block)
+    splits = k_splits(M, N, K, block)
     per_split = triton.cdiv(k_blocks, splits)
     partial = splits > 1
     target = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if partial else out
-    launchable(_fp8_gemm_kernel, x)[(triton.cdiv(M, BM), triton.cdiv(N, BLOCK), splits)](
+    launchable(_fp8_gemm_kernel, x)[(triton.cdiv(M, BM), triton.cdiv(N, TILE_N), splits)](
         xq, x_scale, weight, weight_scale, target, M, N, K, xq.stride(0), x_scale.stride(0), x_scale.stride(1),
         weight.stride(0), weight_scale.stride(0), N, N // groups, per_split,
-        BM=BM, BN=BLOCK, BK=BLOCK, ITERS=per_split if INTERPRET else 0, PARTIAL=partial,
+        BM=BM, BN=TILE_N, BK=block, ITERS=per_split if INTERPRET else 0, PARTIAL=partial, E8M0=layout.power_of_two,
         num_warps=8 if BM == 16 else 4,
     )
     if partial:
