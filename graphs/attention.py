@@ -29,7 +29,8 @@ import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
 from compile_ops.formats import new_cache
 from compile_ops.indexer.cache import INDEX_DIM, new_index_cache
 from compile_ops.dcp import all_gather_heads
-from compile_ops.linear import BLOCK, quantize_blocks
+from compile_ops.linear import quantize_blocks
+from compile_ops.linear.quant import TILE_N
 from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
@@ -352,17 +353,20 @@ class DSV41Attention(nn.Module):
         self.shards = {"wq_b.weight": (0, H // N * D), "wo_a.weight": (0, G // N * cfg.o_lora_rank),
                        "wo_b.weight": (1, G // N * cfg.o_lora_rank)} if N > 1 else {}
         if weights not in ("bf16", "fp8"):
-            raise ValueError(f"weights must be 'bf16' or 'fp8' (DeepSeek's 128 x 128 block-scaled FP8), got {weights!r}")
+            raise ValueError(f"weights must be 'bf16' or 'fp8' (DeepSeek's block-scaled FP8, blocks of "
+                             f"cfg.weight_block), got {weights!r}")
         self.weights = weights
         if weights == "fp8":
-            if cfg.o_lora_rank % BLOCK or any(size % BLOCK for _, size in self.shards.values()):
-                raise ValueError(f"FP8 weights need o_lora_rank ({cfg.o_lora_rank}) and every DCP shard of the "
-                                 f"projections to be multiples of the {BLOCK}-row scale blocks")
-            self.shards.update({k[: -len("weight")] + "scale": (d, n // BLOCK) for k, (d, n) in self.shards.items()})
+            B = cfg.weight_block
+            if cfg.o_lora_rank % TILE_N or any(size % B for _, size in self.shards.values()):
+                raise ValueError(f"FP8 weights need o_lora_rank ({cfg.o_lora_rank}) to be a multiple of {TILE_N} (the "
+                                 f"grouped GEMM's tile) and every DCP shard of the projections a multiple of the "
+                                 f"{B}-row scale blocks")
+            self.shards.update({k[: -len("weight")] + "scale": (d, n // B) for k, (d, n) in self.shards.items()})
 
         def linear(i: int, o: int) -> nn.Module:
             if weights == "fp8":
-                return Fp8Linear(i, o, device)
+                return Fp8Linear(i, o, device, cfg.weight_block)
             return nn.Linear(i, o, bias=False, dtype=bf16, device=device)
 
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32, device=device))  # all heads: rank 0 attends them
@@ -417,7 +421,7 @@ class DSV41Attention(nn.Module):
                 value = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
             value = self.shard(name, value)
             if p.dtype == torch.float8_e4m3fn:  # the bf16 layer of this seed, quantized
-                q, scale = quantize_blocks(value.to(torch.bfloat16))
+                q, scale = quantize_blocks(value.to(torch.bfloat16), self.cfg.weight_block)
                 p.copy_(q)
                 self.get_parameter(name[: -len("weight")] + "scale").copy_(scale)
             else:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from compile_ops.formats import get_format
 from compile_ops.indexer.cache import get_index_format
+from compile_ops.linear import layout_of_block
 
 HEAD_DIM = 512
 ROPE_DIM = 64
@@ -31,6 +32,12 @@ class AttentionConfig:
     ratio ``r`` in ``overlap_ratios`` pools an overlapping window of ``2r`` tokens (V4's
     ratio 4); a ratio in ``dense_ratios`` attends every compressed entry, without indexer
     (V4's ratio 128).
+
+    RoPE (:func:`graphs.rope.layer_inv_freq`): sliding-only layers turn by ``rope_theta``;
+    compressed layers by ``compress_rope_theta`` with YaRN (``rope_factor``,
+    ``original_seq_len``, ``beta_fast``, ``beta_slow``; ``original_seq_len = 0``: no YaRN).
+    ``weight_block``: the block of an FP8 checkpoint's weights, 128 (fp32 scales, V4) or 32
+    (ue8m0 scales, V4.1); used by layers built with ``weights="fp8"``.
     """
 
     name: str
@@ -55,6 +62,7 @@ class AttentionConfig:
     original_seq_len: int = 65536
     beta_fast: int = 32
     beta_slow: int = 1
+    weight_block: int = 128
 
     def __post_init__(self) -> None:
         if self.head_dim != HEAD_DIM or self.rope_head_dim != ROPE_DIM:
@@ -64,6 +72,7 @@ class AttentionConfig:
             )
         if self.n_heads % self.o_groups:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by o_groups ({self.o_groups})")
+        layout_of_block(self.weight_block)
         if self.index_head_dim < self.rope_head_dim:
             raise ValueError(
                 f"index_head_dim ({self.index_head_dim}) must be >= rope_head_dim ({self.rope_head_dim})"
@@ -216,6 +225,7 @@ def _check_int(name: str, value, least: int) -> None:
 V41_FLASH = AttentionConfig(
     name="V4.1-Flash", dim=5120, n_heads=64, q_lora_rank=1280, o_lora_rank=1024, o_groups=8,
     window_size=128, index_n_heads=32, index_head_dim=128, index_topk=512, compress_ratios=(0, 1, 2),
+    weight_block=32,
 )
 V4_FLASH = AttentionConfig(
     name="V4-Flash", dim=4096, n_heads=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8,

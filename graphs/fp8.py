@@ -1,11 +1,12 @@
 """DeepSeek's FP8 checkpoints in the attention layer: block-scaled FP8 linears, a converter.
 
 DeepSeek's V3 / V3.2 / V4 checkpoints store the attention projections as float8_e4m3fn
-weights with one fp32 scale per 128 x 128 block (``compile_ops.linear.quant``), named
-``<linear>.scale`` in DeepSeek's inference code and ``<linear>.weight_scale_inv`` in
-Hugging Face checkpoints. :class:`Fp8Linear` holds such a weight and runs
-``dsv41::fp8_linear`` (activations quantized per token per 128 values); it loads either
-naming. Which projections are FP8 follows DeepSeek's reference (:data:`FP8_LINEARS`):
+weights with one fp32 scale per 128 x 128 block, V4.1's with one ue8m0 scale per 32 x 32
+block (``compile_ops.linear.quant``; a checkpoint's ``quantization_config.weight_block_size``
+says which, :attr:`graphs.AttentionConfig.weight_block` holds it), named ``<linear>.scale``
+in DeepSeek's inference code and ``<linear>.weight_scale_inv`` in Hugging Face
+checkpoints. :class:`Fp8Linear` holds such a weight and runs ``dsv41::fp8_linear``
+(activations quantized per token per block); it loads either naming. Which projections are FP8 follows DeepSeek's reference (:data:`FP8_LINEARS`):
 ``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b`` and ``indexer.wq_b``; ``indexer.weights_proj``
 stays bf16 and the compressors' ``wkv`` / ``wgate`` fp32, the norms and ``attn_sink`` fp32.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from compile_ops.linear import BLOCK, dequantize_blocks, fp8_linear, quantize_blocks
+from compile_ops.linear import BLOCK, dequantize_blocks, fp8_linear, layout_of_block, quantize_blocks
 
 FP8_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "indexer.wq_b")
 """The projections an FP8 checkpoint stores in FP8 (DeepSeek's reference; module paths)."""
@@ -38,23 +39,25 @@ FP8_LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "indexer.wq_b")
 SCALE_NAMES = {"deepseek": "scale", "hf": "weight_scale_inv"}
 # The FP8 layer's outputs may differ from the bf16 layer with the dequantized weights by
 # this much of the largest |y|: each of the five FP8 GEMMs on a token's path rounds its
-# input to e4m3 per 128 values (up to 2**-4 relative each).
+# input to e4m3 per block (up to 2**-4 relative each; 2**-3 with power-of-two scales).
 FP8_WEIGHTS_REL_TOL = 0.15
 
 
 class Fp8Linear(nn.Module):
     """``y = x W^T`` with ``W`` block-scaled FP8: ``weight [out, in]`` float8_e4m3fn and
-    ``scale [ceil(out/128), ceil(in/128)]`` fp32 (``W = weight * scale``). ``forward(x [...,
-    in])`` -> bf16 ``[..., out]`` through ``dsv41::fp8_linear``. ``load_state_dict`` also
-    takes the scale under Hugging Face's name ``weight_scale_inv``."""
+    ``scale [ceil(out/block), ceil(in/block)]`` (fp32 for ``block`` 128, float8_e8m0fnu for
+    32; ``W = weight * scale``). ``forward(x [..., in])`` -> bf16 ``[..., out]`` through
+    ``dsv41::fp8_linear``. ``load_state_dict`` also takes the scale under Hugging Face's
+    name ``weight_scale_inv``."""
 
-    def __init__(self, in_features: int, out_features: int, device=None) -> None:
+    def __init__(self, in_features: int, out_features: int, device=None, block: int = BLOCK) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        layout = layout_of_block(block)
+        self.in_features, self.out_features, self.block = in_features, out_features, block
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, device=device).to(torch.float8_e4m3fn),
                                    requires_grad=False)
-        self.scale = nn.Parameter(torch.ones(-(-out_features // BLOCK), -(-in_features // BLOCK), device=device),
-                                  requires_grad=False)
+        scale = torch.ones(-(-out_features // block), -(-in_features // block), device=device)
+        self.scale = nn.Parameter(scale.to(layout.scale_dtype), requires_grad=False)
         self._register_load_state_dict_pre_hook(_rename_hf_scale)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -62,7 +65,7 @@ class Fp8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 128x128 blocks"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 {self.block}x{self.block} blocks"
 
 
 def _rename_hf_scale(state_dict, prefix, *args) -> None:
@@ -79,16 +82,17 @@ def _is_fp8_weight(key: str) -> bool:
     return any(key == f"{name}.weight" or key.endswith(f".{name}.weight") for name in FP8_LINEARS)
 
 
-def to_fp8_state_dict(state_dict: dict[str, Tensor], naming: str = "deepseek") -> dict[str, Tensor]:
+def to_fp8_state_dict(state_dict: dict[str, Tensor], naming: str = "deepseek", block: int = BLOCK) -> dict[str, Tensor]:
     """A bf16 attention state dict with every :data:`FP8_LINEARS` weight quantized to
-    128 x 128 blocks (``compile_ops.linear.quantize_blocks``) and its scale added as
-    ``<linear>.scale`` (``naming="deepseek"``) or ``<linear>.weight_scale_inv`` (``"hf"``)."""
+    ``block`` x ``block`` blocks (``compile_ops.linear.quantize_blocks``: 128 with fp32
+    scales, 32 with ue8m0) and its scale added as ``<linear>.scale`` (``naming="deepseek"``)
+    or ``<linear>.weight_scale_inv`` (``"hf"``)."""
     if naming not in SCALE_NAMES:
         raise ValueError(f"naming must be one of {sorted(SCALE_NAMES)}, got {naming!r}")
     out = {}
     for key, value in state_dict.items():
         if _is_fp8_weight(key):
-            q, scale = quantize_blocks(value)
+            q, scale = quantize_blocks(value, block)
             out[key] = q
             out[key[: -len("weight")] + SCALE_NAMES[naming]] = scale
         else:
