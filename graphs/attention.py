@@ -403,6 +403,25 @@ class DSV41Attention(nn.Module):
         self.reset_parameters(seed)
         self.requires_grad_(False)  # inference only: caches are written in place every step
 
+    @classmethod
+    def from_checkpoint(cls, folder, layer_id: int, cache: CacheConfig, device=None,
+                        dcp_group: Optional[str] = None) -> "DSV41Attention":
+        """Layer ``layer_id`` of a DeepSeek-V4 checkpoint folder (its ``config.json`` and
+        ``*.safetensors``, in DeepSeek's or Hugging Face's naming): the config by
+        :meth:`AttentionConfig.from_hf_config`, the layer's compress ratio from the
+        config's per-layer list, FP8 weights when the config declares them, and the
+        weights loaded strictly by :func:`graphs.checkpoint.load_attention_weights`."""
+        from graphs.checkpoint import checkpoint_weights, layer_ratios, load_attention_weights, read_config
+
+        config = read_config(folder)
+        ratios = layer_ratios(config)
+        if not 0 <= layer_id < len(ratios):
+            raise ValueError(f"layer_id must be in 0..{len(ratios) - 1} (the config's compress_ratios), got {layer_id}")
+        layer = cls(AttentionConfig.from_hf_config(config), cache, ratios[layer_id], device=device,
+                    dcp_group=dcp_group, weights=checkpoint_weights(config))
+        load_attention_weights(layer, folder, layer_id)
+        return layer
+
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
         """Random weights: linear ``N(0, 1/in)``, norms ``1 + N(0, 0.1^2)``, ``ape`` and

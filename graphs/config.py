@@ -15,6 +15,7 @@ model small enough to compile on a CPU in seconds).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 from compile_ops.formats import get_format
 from compile_ops.indexer.cache import get_index_format
@@ -22,6 +23,7 @@ from compile_ops.linear import layout_of_block
 
 HEAD_DIM = 512
 ROPE_DIM = 64
+_REQUIRED = object()
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,68 @@ class AttentionConfig:
             raise ValueError(
                 f"index_head_dim ({self.index_head_dim}) must be >= rope_head_dim ({self.rope_head_dim})"
             )
+
+    @classmethod
+    def from_hf_config(cls, config, name: Optional[str] = None) -> "AttentionConfig":
+        """The attention dimensions of a DeepSeek-V4 / V4.1 checkpoint's ``config.json`` (a
+        dict, the file, or its folder), in either spelling: Hugging Face's
+        (``hidden_size``, ``num_attention_heads``, ``sliding_window``, ``rms_norm_eps``,
+        ``rope_scaling`` / ``rope_parameters`` with ``factor``,
+        ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ...) or
+        DeepSeek's ``inference/config.json`` (``dim``, ``n_heads``, ``window_size``,
+        ``norm_eps``, ``rope_factor``, ``original_seq_len``, ...). The ratios come from
+        ``compress_ratios`` (or ``layer_types``; :func:`graphs.checkpoint.layer_ratios`); as
+        in DeepSeek's reference, ratio 4 pools overlapping windows and ratio 128 has no
+        indexer. ``quantization_config.weight_block_size`` gives :attr:`weight_block`
+        (``[128, 128]`` or ``[32, 32]``; others are refused). Missing keys are named in
+        the ``ValueError``."""
+        from graphs.checkpoint import layer_ratios, read_config
+
+        c = read_config(config)
+        missing = []
+
+        def get(*keys, default=_REQUIRED):
+            for k in keys:
+                if c.get(k) is not None:
+                    return c[k]
+            if default is _REQUIRED:
+                missing.append(" / ".join(keys))
+                return None
+            return default
+
+        rope = get("rope_parameters", "rope_scaling", default=None) or {}
+        if isinstance(rope.get("compress"), dict):  # transformers' nested {"main", "compress"}
+            rope = rope["compress"]
+        yarn = rope.get("rope_type", rope.get("type")) == "yarn" or "rope_factor" in c
+        head_dim = get("head_dim", default=HEAD_DIM)
+        rope_dim = get("qk_rope_head_dim", "rope_head_dim", default=None)
+        if rope_dim is None:
+            partial = c.get("partial_rotary_factor")
+            rope_dim = int(head_dim * partial) if partial else ROPE_DIM
+        block = (c.get("quantization_config") or {}).get("weight_block_size", [128, 128])
+        fields = dict(
+            dim=get("hidden_size", "dim"), n_heads=get("num_attention_heads", "n_heads"),
+            q_lora_rank=get("q_lora_rank"), o_lora_rank=get("o_lora_rank"), o_groups=get("o_groups"),
+            window_size=get("sliding_window", "window_size"), index_n_heads=get("index_n_heads"),
+            index_head_dim=get("index_head_dim"), index_topk=get("index_topk"),
+            head_dim=head_dim, rope_head_dim=rope_dim, norm_eps=float(get("rms_norm_eps", "norm_eps")),
+            rope_theta=float(get("rope_theta", default=10000.0)),
+            compress_rope_theta=float(get("compress_rope_theta", default=160000.0)),
+        )
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        if yarn:
+            fields.update(rope_factor=float(rope.get("factor", c.get("rope_factor"))),
+                          original_seq_len=int(rope.get("original_max_position_embeddings", c.get("original_seq_len"))),
+                          beta_fast=int(rope.get("beta_fast", c.get("beta_fast", 32))),
+                          beta_slow=int(rope.get("beta_slow", c.get("beta_slow", 1))))
+        else:
+            fields.update(original_seq_len=0)
+        ratios = tuple(sorted(set(layer_ratios(c)) | {0}))
+        return cls(name=name or c.get("_name_or_path") or c.get("model_type") or "checkpoint",
+                   compress_ratios=ratios, overlap_ratios=tuple(r for r in ratios if r == 4),
+                   dense_ratios=tuple(r for r in ratios if r == 128),
+                   weight_block=layout_of_block(block).block, **fields)
 
     def check_ratio(self, ratio: int) -> int:
         if ratio not in self.compress_ratios:

@@ -1,6 +1,7 @@
 """``python -m compile_ops.bench linear``: ``fp8_linear`` against the bf16 GEMM and the byte floor.
 
-For each V4.1-Flash projection and token count ``M``: the op as ``auto`` picks (and each
+For each V4.1-Flash projection and token count ``M`` (weights in ``--block`` blocks: 32,
+V4.1's layout, or 128, V4's): the op as ``auto`` picks (and each
 CUDA backend that takes the call), the bf16 product of the same weight (``F.linear``;
 ``bmm`` for the grouped ``wo_a``), and each one's floor, the bytes it must move once
 (weight, tokens in, bf16 out) at the copy bandwidth. Timed by CUDA-graph replay.
@@ -38,6 +39,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m compile_ops.bench linear", description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int_list, default="1,4,16,64,128,256,1024,4096",
                         help="comma-separated token counts M")
+    parser.add_argument("--block", type=int, choices=(32, 128), default=32,
+                        help="weight blocks: 32 (V4.1's ue8m0 scales) or 128 (V4's fp32 scales)")
     graph_args(parser, 20, "bench_linear.csv")
     args = parser.parse_args(argv)
     if no_cuda("linear"):
@@ -49,11 +52,11 @@ def main(argv: list[str]) -> int:
         N, K, G = FLASH_PROJECTIONS[name]
         gen = torch.Generator(device=device).manual_seed(M)
         w = torch.randn(N, K, device=device, generator=gen) / K**0.5
-        wq, ws = quantize_blocks(w)
+        wq, ws = quantize_blocks(w, args.block)
         wb = w.bfloat16()
         x = torch.randn(M, G * K, device=device, generator=gen).bfloat16()
         auto = resolve("linear", device, args=(x, wq, ws, G))[0]
-        row = {"projection": name, "N": N, "K": K, "groups": G, "M": M, "auto": auto,
+        row = {"projection": name, "N": N, "K": K, "groups": G, "M": M, "block": args.block, "auto": auto,
                "fp8_us": round(graph_time_us(lambda: fp8_linear(x, wq, ws, G), args.calls, args.replays), 1)}
         if auto != "triton":
             with compile_ops.use_backends(linear="triton"):
@@ -64,7 +67,7 @@ def main(argv: list[str]) -> int:
             per_group = wb.view(G, N // G, K)
             bf16 = lambda: torch.bmm(x.view(M, G, K).transpose(0, 1), per_group.transpose(1, 2))  # noqa: E731
         row["bf16_us"] = round(graph_time_us(bf16, args.calls, args.replays), 1)
-        row["fp8_floor_us"] = round(floor_us(wq.numel() + 4 * ws.numel(), M, N, G * K), 1)
+        row["fp8_floor_us"] = round(floor_us(wq.numel() + ws.element_size() * ws.numel(), M, N, G * K), 1)
         row["bf16_floor_us"] = round(floor_us(2 * wb.numel(), M, N, G * K), 1)
         rows.append(row)
     fields = list(dict.fromkeys(k for r in rows for k in r))
