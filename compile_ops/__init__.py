@@ -11,7 +11,8 @@ Importing this package registers the ``torch.ops.dsv41`` custom ops:
 * :func:`write_kv` -- quantizing rows into a paged KV cache.
 * :func:`write_index_keys`, :func:`indexer_topk`, :func:`dcp_indexer_topk` -- the indexer's
   paged fp8 index-key cache and its length-bounded top-k.
-* :func:`fp8_linear` -- a linear of DeepSeek's 128 x 128 block-scaled FP8 weights.
+* :func:`fp8_linear` -- a linear of DeepSeek's block-scaled FP8 weights (128 x 128 fp32 or
+  32 x 32 ue8m0 scales).
 
 Backends are chosen with :data:`config` / :func:`use_backends` and reported by
 :func:`backend_for`; KV-cache formats live in :mod:`compile_ops.formats`.

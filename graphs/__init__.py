@@ -7,6 +7,10 @@
   static buffers.
 * :class:`Fp8Linear` (``graphs.fp8``) -- DeepSeek's block-scaled FP8 projections, loaded
   from either checkpoint naming (``DSV41Attention(..., weights="fp8")``).
+* :func:`load_attention_weights` (``graphs.checkpoint``) and
+  :meth:`DSV41Attention.from_checkpoint` -- a DeepSeek-V4 checkpoint's attention weights by
+  their real names (DeepSeek's or Hugging Face's), strictly;
+  :meth:`AttentionConfig.from_hf_config` -- the config from its ``config.json``.
 * :class:`PageAllocator` / :class:`PagePool` -- host-side pages of the caches' pools, as an
   engine would own them.
 * :class:`LayerStep` / :class:`StepRunner` -- the step as one module; compile, capture one
@@ -18,6 +22,7 @@
 """
 
 from graphs.attention import Compressor, DSV41Attention, Indexer, RMSNorm, StepRows
+from graphs.checkpoint import load_attention_weights
 from graphs.fp8 import Fp8Linear
 from graphs.config import PRESETS, TINY, V4_FLASH, V4_PRO, V41_FLASH, AttentionConfig, CacheConfig
 from graphs.memory import buffer_bytes
@@ -48,6 +53,7 @@ __all__ = [
     "V4_PRO",
     "buffer_bytes",
     "compiled_call",
+    "load_attention_weights",
     "mark_tokens_dynamic",
     "step_inputs",
 ]

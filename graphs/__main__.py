@@ -75,7 +75,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--json", help="write all results here")
     p.add_argument("--time-budget", type=float, default=float("inf"), help="GPU: seconds; skip timings past it")
     p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
-                   help="projection weights: bf16, or DeepSeek's 128x128 block-scaled fp8, checked against the bf16 "
+                   help="projection weights: bf16, or DeepSeek's block-scaled fp8 (the preset's weight_block), checked against the bf16 "
                         "layer with the dequantized weights (the tiny config then has o_lora_rank 128) (default: bf16)")
     p.add_argument("--dcp", type=int, default=1,
                    help="serve the workload under DCP over this many processes (gloo on CPU, NCCL on GPUs, one "

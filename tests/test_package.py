@@ -54,11 +54,13 @@ def test_public_docstring_examples_run():
 
     import compile_ops
     import graphs
+    import graphs.checkpoint
+    import graphs.fp8
     import graphs.pages
 
     ran = 0
     public = [getattr(compile_ops, n) for n in compile_ops.__all__] + [getattr(graphs, n) for n in graphs.__all__]
-    for obj in public + [graphs.pages]:
+    for obj in public + [graphs.pages, graphs.checkpoint, graphs.fp8]:
         name = getattr(obj, "__name__", repr(obj))
         doc = getattr(obj, "__doc__", None) or ""
         if ">>>" not in doc:
