@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from compile_ops._checks import check_tensor
+from compile_ops._checks import check_device, check_tensor
 
 HEAD_DIM = 512
 LOG2E = 1.0 / math.log(2.0)  # LSEs are base 2 everywhere: log2(x) = ln(x) * LOG2E
@@ -138,6 +138,7 @@ def new_cache(
     formats not at all.
     """
     fmt = get_format(kv_format)
+    device = check_device("device", device)
     if page_gap is None:
         page_gap = -(page_size * fmt.row_width) % 576 if kv_format == "fp8_ds_mla" else 0
     pool = torch.zeros(num_pages, page_size * fmt.row_width + page_gap, dtype=fmt.dtype, device=device)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
+from compile_ops._checks import check_device
 from compile_ops.formats import new_cache
 from compile_ops.indexer.cache import INDEX_DIM, new_index_cache
 from compile_ops.dcp import all_gather_heads
@@ -340,6 +341,7 @@ class DSV41Attention(nn.Module):
     def __init__(self, cfg: AttentionConfig, cache: CacheConfig, compress_ratio: int, device=None, seed: int = 0,
                  dcp_group: Optional[str] = None, weights: str = "bf16") -> None:
         super().__init__()
+        device = check_device("device", device)
         self.cfg, self.cache_cfg = cfg, cache
         self.compress_ratio = ratio = cache.check_ratio(cfg.check_ratio(compress_ratio)) if compress_ratio else 0
         H, D, G, bf16 = cfg.n_heads, cfg.head_dim, cfg.o_groups, torch.bfloat16

@@ -140,6 +140,10 @@ class StepMetadata(nn.Module):
         are ``non_blocking``, so host tensors (the runner's) or device tensors keep the
         step free of host syncs. Returns ``n``.
         """
+        for name, t in (("positions", positions), ("token_to_req", token_to_req)):
+            if not isinstance(t, Tensor) or t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+                raise TypeError(f"{name} must be a 1-D integer tensor (int32 or int64), got {got}")
         n = positions.shape[0]
         bucket = self.max_tokens if bucket is None else bucket
         if not n <= bucket <= self.max_tokens:

@@ -180,6 +180,9 @@ class PageAllocator:
 
     def release(self, row: int) -> None:
         """A finished request: give back all its pages; the row starts over at position 0."""
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self.length):
+            raise ValueError(f"row must be a request row in 0..{len(self.length) - 1} (CacheConfig.max_requests), "
+                             f"got {row!r}")
         for kind, rows in self._rows.items():
             for col, page in enumerate(rows[row]):
                 if page >= 0:

@@ -186,6 +186,10 @@ class StepRunner:
         compiled step runs). Each request's tokens are contiguous, at consecutive positions,
         continuing at its length or rewinding at most ``max_rewind`` positions.
         """
+        dim = self.layer.cfg.dim
+        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != dim or not x.is_floating_point():
+            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must be the step's hidden states [n, dim = {dim}] (bf16), got {got}")
         positions, token_to_req = _host_ints(positions, "positions"), _host_ints(token_to_req, "token_to_req")
         n = x.shape[0]
         if positions.shape != (n,):
@@ -243,5 +247,10 @@ def _host_ints(values, name: str) -> Tensor:
         if values.device.type != "cpu":
             raise ValueError(f"{name} must be host (CPU) integers: the page allocator plans each step on the host "
                              f"(got a {values.device.type} tensor)")
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {values.dtype}")
         return values.to(torch.int32)
-    return torch.tensor(list(values), dtype=torch.int32)
+    values = list(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"{name} must be ints, got {[type(v).__name__ for v in values if not isinstance(v, int)][:3]}")
+    return torch.tensor(values, dtype=torch.int32)

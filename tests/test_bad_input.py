@@ -5,6 +5,8 @@ import torch
 
 import compile_ops
 from compile_ops.formats import new_cache
+from compile_ops.indexer.cache import new_index_cache
+from graphs import TINY, CacheConfig, DSV41Attention, StepMetadata, StepRunner
 
 i32 = torch.int32
 
@@ -52,6 +54,23 @@ def swa_args(**change):
 
 
 META = torch.device("meta")
+NO_CUDA = not torch.cuda.is_available()
+
+
+def runner_call(method: str):
+    """``StepRunner(tiny layer).<method>(**kwargs)``: the serving entry points' checks."""
+    def call(**kwargs):
+        runner = StepRunner(DSV41Attention(TINY, CacheConfig(4, 8, 32, 4), 2), (2, 4), compile=False)
+        return getattr(runner, method)(**kwargs)
+    return call
+
+
+def metadata_update(**kwargs):
+    return StepMetadata.for_layer(DSV41Attention(TINY, CacheConfig(4, 8, 32, 4), 0)).update(**kwargs)
+
+
+def x(*shape):
+    return torch.randn(*shape).bfloat16()
 
 # (id, op, kwargs, exception, words the message must contain)
 CASES = [
@@ -70,6 +89,8 @@ CASES = [
     ("cmp-half-given", compile_ops.sparse_mla, mla_args(cmp_cache=None), ValueError, ["cmp_cache", "together"]),
     ("cache-on-other-device", compile_ops.sparse_mla, mla_args(cmp_cache=new_cache("bf16", 2, 4, device=META)), ValueError, ["cmp_cache", "cpu", "meta"]),
     ("kv_scale-zero", compile_ops.sparse_mla, mla_args(kv_scale=0.0), ValueError, ["kv_scale", "positive"]),
+    ("sm_scale-negative", compile_ops.sparse_mla, mla_args(sm_scale=-0.1), ValueError, ["sm_scale", "positive", "-0.1"]),
+    ("sm_scale-nan", compile_ops.sparse_mla, mla_args(sm_scale=float("nan")), ValueError, ["sm_scale", "positive", "nan"]),
     # a non-tensor argument of the wrong Python type is rejected by the dispatcher's schema check
     ("sm_scale-str", compile_ops.sparse_mla, mla_args(sm_scale="0.1"), RuntimeError, ["sm_scale", "float", "str"]),
     ("topk-int64", compile_ops.topk_to_slots, slot_args(topk=torch.zeros(3, 8, dtype=torch.int64)), TypeError, ["topk", "int32", "int64"]),
@@ -85,10 +106,22 @@ CASES = [
     ("lse_combine-shape-mismatch", compile_ops.lse_combine, dict(partial_out=torch.zeros(2, 3, 4, 8), partial_lse=torch.zeros(2, 3, 5)), ValueError, ["partial_lse", "[2, 3, 4]"]),
     ("lse_combine-int-out", compile_ops.lse_combine, dict(partial_out=torch.zeros(2, 3, 4, 8, dtype=i32), partial_lse=torch.zeros(2, 3, 4)), TypeError, ["partial_out", "int32"]),
     ("dcp_combine-no-group", compile_ops.dcp_combine, dict(out=torch.zeros(3, 4, 8), lse=torch.zeros(3, 4), group_name="nope"), ValueError, ["group_name", "nope"]),
+    # the serving entry points (graphs): every one names the argument and the expected value
+    ("step-x-hidden-size", runner_call("step"), dict(x=x(2, 65), positions=[0, 1], token_to_req=[0, 0]), ValueError, ["x", "dim = 64", "(2, 65)"]),
+    ("step-x-1d", runner_call("step"), dict(x=x(64), positions=[0], token_to_req=[0]), ValueError, ["x", "[n, dim = 64]", "(64,)"]),
+    ("step-positions-float", runner_call("step"), dict(x=x(2, 64), positions=torch.tensor([0.0, 1.5]), token_to_req=[0, 0]), TypeError, ["positions", "integer", "float32"]),
+    ("step-positions-float-list", runner_call("step"), dict(x=x(2, 64), positions=[0, 1.5], token_to_req=[0, 0]), TypeError, ["positions", "ints", "float"]),
+    ("step-positions-count", runner_call("step"), dict(x=x(2, 64), positions=[0], token_to_req=[0]), ValueError, ["positions", "[n] = [2]"]),
+    ("release-row-out-of-range", runner_call("release"), dict(row=9), ValueError, ["row", "0..3", "9"]),
+    ("metadata-positions-float", metadata_update, dict(positions=torch.tensor([0.0, 1.5]), token_to_req=torch.zeros(2, dtype=i32)), TypeError, ["positions", "integer", "float32"]),
+    pytest.param("layer-on-cuda-without-cuda", DSV41Attention, dict(cfg=TINY, cache=CacheConfig(4, 8, 32, 4), compress_ratio=2, device="cuda"), ValueError, ["device='cuda'", "no CUDA GPU"], marks=pytest.mark.skipif(not NO_CUDA, reason="a CUDA GPU is visible")),
+    pytest.param("new_cache-on-cuda-without-cuda", new_cache, dict(kv_format="bf16", num_pages=2, page_size=4, device="cuda"), ValueError, ["device='cuda'", "no CUDA GPU"], marks=pytest.mark.skipif(not NO_CUDA, reason="a CUDA GPU is visible")),
+    ("new_index_cache-unknown-device", new_index_cache, dict(index_format="fp8", num_pages=2, page_size=4, device="tpu"), ValueError, ["device", "'tpu'"]),
 ]
 
 
-@pytest.mark.parametrize("name,op,kwargs,error,words", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,op,kwargs,error,words", CASES,
+                         ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CASES])
 def test_bad_call_raises_a_clear_error(name, op, kwargs, error, words):
     with pytest.raises(error) as info:
         op(**kwargs)

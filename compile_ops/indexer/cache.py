@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_ops._checks import check_tensor
+from compile_ops._checks import check_device, check_tensor
 from compile_ops.formats import E4M3_MAX, UE8M0_BIAS, locate_slots, page_bytes, row_byte_index, ue8m0_exponent
 
 INDEX_DIM = 128
@@ -79,7 +79,7 @@ def check_index_cache(name: str, cache: object, index_format: str, device=None) 
 def new_index_cache(index_format: str, num_pages: int, page_size: int, device=None) -> torch.Tensor:
     """A zeroed index-key cache ``[num_pages, page_size, row_width]``."""
     fmt = get_index_format(index_format)
-    return torch.zeros(num_pages, page_size, fmt.row_width, dtype=fmt.dtype, device=device)
+    return torch.zeros(num_pages, page_size, fmt.row_width, dtype=fmt.dtype, device=check_device("device", device))
 
 
 def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from compile_ops import backends
 from compile_ops._compat import omittable_mutated_args
-from compile_ops._checks import check_dim, check_float, check_tensor
+from compile_ops._checks import check_dim, check_positive, check_tensor
 from compile_ops.formats import HEAD_DIM, check_cache
 from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.plan import check_workspace, workspace_bytes
@@ -49,9 +49,8 @@ def _checked(*args) -> SparseMLAArgs:
     if sink is not None:
         check_tensor("sink", sink, torch.float32, 1, device)
         check_dim("sink", sink, 0, H, "q.shape[1], the head count H")
-    check_float("sm_scale", sm_scale)
-    if not float(kv_scale) > 0.0:
-        raise ValueError(f"kv_scale must be a positive float, got {kv_scale}")
+    check_positive("sm_scale", sm_scale)
+    check_positive("kv_scale", kv_scale)
     check_workspace(workspace, device)
     return args
 
