@@ -1,6 +1,6 @@
 """``python -m compile_ops``: run every op on a backend and compare with float64 oracles.
 
-The oracles here are dense reformulations (attention over the whole cache weighted by how
+Every public op has a row. The oracles here are dense reformulations (attention over the whole cache weighted by how
 often each slot is selected, stable argsort compaction, logsumexp), not the per-entry
 gathers the reference uses, so the two agree only if both read docs/ops.md the same way.
 ``indexer_topk`` is checked on integer-valued data (exact scores): its error is the number
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import compile_ops
+from compile_ops._cli import description
 from compile_ops.formats import KV_FORMATS, new_cache, read_kv
 from compile_ops.kv import write_kv
 
@@ -62,7 +63,9 @@ def _dense_attention(q, caches, index_sets, sink, sm_scale, kv_format, kv_scale)
     return out, torch.log2(total)
 
 
-def check_sparse_mla(kv_format: str, gen: torch.Generator, device) -> Row:
+def check_sparse_mla(kv_format: str, gen: torch.Generator, device, into_buffers: bool = False) -> Row:
+    """``sparse_mla`` (or, ``into_buffers``, ``sparse_mla_out`` into caller-owned ``out`` /
+    ``lse`` and workspace) against float64 attention over every slot."""
     T, H, W, K, page = 7, 64, 16, 48, 16
     kv_scale = 0.25 if kv_format == "fp8" else 1.0
     swa, cmp = new_cache(kv_format, 3, page, device=device), new_cache(kv_format, 5, page, page_gap=32, device=device)
@@ -76,8 +79,14 @@ def check_sparse_mla(kv_format: str, gen: torch.Generator, device) -> Row:
     cmp_lens = torch.randint(0, K + 1, (T,), generator=gen, dtype=i32)
     swa_lens[0] = cmp_lens[0] = 0  # an empty row
     sink = torch.randn(H, generator=gen)
-    args = [q, swa, swa_idx, swa_lens, cmp, cmp_idx, cmp_lens, sink]
-    out, lse = compile_ops.sparse_mla(*[a.to(device) for a in args], 512**-0.5, kv_format, kv_scale)
+    args = [a.to(device) for a in (q, swa, swa_idx, swa_lens, cmp, cmp_idx, cmp_lens, sink)]
+    if into_buffers:
+        out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
+        lse = torch.full((T, H), float("nan"), device=device)
+        compile_ops.sparse_mla_out(*args, 512**-0.5, kv_format, kv_scale, out, lse,
+                                   compile_ops.sparse_mla_workspace(device, kv_format))
+    else:
+        out, lse = compile_ops.sparse_mla(*args, 512**-0.5, kv_format, kv_scale)
     want_out, want_lse = _dense_attention(
         q, [swa.cpu(), cmp.cpu()], [(swa_idx, swa_lens), (cmp_idx, cmp_lens)], sink, 512**-0.5, kv_format, kv_scale
     )
@@ -87,7 +96,71 @@ def check_sparse_mla(kv_format: str, gen: torch.Generator, device) -> Row:
     # the reference rounds an fp32 result to bf16 once (2**-8 of the row's largest value);
     # fast kernels also feed bf16 probabilities to the tensor cores
     tolerance = 2.0**-8 + 1e-5 if backend == "reference" else 1e-2
-    return Row(f"sparse_mla[{kv_format}]", backend, f"T={T} H={H} W={W} K={K} page={page}", error, tolerance)
+    name = "sparse_mla_out" if into_buffers else "sparse_mla"
+    return Row(f"{name}[{kv_format}]", backend, f"T={T} H={H} W={W} K={K} page={page}", error, tolerance)
+
+
+def check_fp8_linear(block: int, gen: torch.Generator, device) -> Row:
+    """``fp8_linear`` (grouped, in the block layout ``block``) against the float64 product
+    of its quantized operands: tokens rounded per token per block, the weight's blocks."""
+    from compile_ops.linear import dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
+
+    M, N, K, G = 5, 256, 384, 2
+    x = torch.randn(M, G * K, generator=gen).bfloat16()
+    w = torch.randn(N, K, generator=gen) / K**0.5
+    wq, ws = quantize_blocks(w, block)
+    got = fp8_linear(x.to(device), wq.to(device), ws.to(device), G).cpu().double()
+    xq, xs = quantize_tokens(x, block)
+    xd = xq.double() * xs.double().repeat_interleave(block, 1)
+    wd = dequantize_blocks(wq, ws).double()
+    want = torch.einsum("mgk,gnk->mgn", xd.view(M, G, K), wd.view(G, N // G, K)).reshape(M, N)
+    error = ((got - want).abs() / want.abs().amax(-1, keepdim=True)).max().item()
+    backend = compile_ops.backend_for("linear", device)
+    # one bf16 rounding (2**-8 of the row's largest value); fast kernels sum in other orders
+    tolerance = 2.0**-8 + 1e-5 if backend == "reference" else 2.0**-7
+    layout = "fp32" if block == 128 else "ue8m0"
+    return Row(f"fp8_linear[{block}x{block} {layout}]", backend, f"M={M} N={N} K={K} groups={G}", error, tolerance)
+
+
+def check_writes(gen: torch.Generator, device) -> list[Row]:
+    """``write_kv`` in every format and ``write_index_keys`` in both: rows written at shuffled
+    slots (``-1`` and out-of-range ones skipped) read back within the format's rounding of
+    float64 rows, relative to each row's largest value; a slot nobody wrote must stay zero
+    (each one that does not adds 1 to the error)."""
+    from compile_ops.indexer.cache import new_index_cache, read_index_keys
+
+    pages, page, n = 3, 16, 40
+    slots = torch.randperm(pages * page, generator=gen)[:n].to(i32)
+    slots[::7] = -1
+    slots[3] = pages * page + 5  # out of range: skipped, never written
+    written = slots[(slots >= 0) & (slots < pages * page)].long()
+    untouched = torch.ones(pages * page, dtype=torch.bool)
+    untouched[written] = False
+    all_slots = torch.arange(pages * page, device=device)
+    rows = []
+
+    def row(name, backend, back, want, width, tolerance):
+        ok = (slots >= 0) & (slots < pages * page)
+        err = ((back[slots[ok].long()] - want[ok]).abs().amax(-1) / want[ok].abs().amax(-1)).max().item()
+        err += float((back[untouched] != 0).any(-1).sum())
+        rows.append(Row(name, backend, f"N={n} pages={pages}x{page} width={width}", err, tolerance))
+
+    for kv_format in KV_FORMATS:
+        x = torch.randn(n, 512, generator=gen, dtype=torch.float64) * torch.logspace(-2, 1, 512, dtype=torch.float64)
+        cache = new_cache(kv_format, pages, page, device=device)
+        write_kv(cache, slots.to(device), x.float().to(device), kv_format)
+        back = read_kv(cache, all_slots, kv_format).double().cpu()
+        # bf16: one rounding; e4m3 (with fp8_ds_mla's bf16 RoPE part): 2**-4 of the largest value
+        row(f"write_kv[{kv_format}]", compile_ops.backend_for("kv", device), back, x, 512,
+            2.0**-8 if kv_format == "bf16" else 2.0**-4)
+    for index_format in ("bf16", "fp8"):
+        x = torch.randn(n, 128, generator=gen, dtype=torch.float64)
+        cache = new_index_cache(index_format, pages, page, device=device)
+        compile_ops.write_index_keys(cache, slots.to(device), x.float().to(device), index_format)
+        back = read_index_keys(cache, all_slots, index_format).double().cpu()
+        row(f"write_index_keys[{index_format}]", compile_ops.backend_for("kv", device), back, x, 128,
+            2.0**-8 if index_format == "bf16" else 2.0**-4)
+    return rows
 
 
 def _compact_numpy(slots: np.ndarray, valid: np.ndarray):
@@ -190,47 +263,100 @@ def check_dcp_combine(world: int = 2) -> Row:
     return Row("dcp_combine[ag_rs,a2a]", "gloo", f"world={world} T=8 H_all=16 D=512", error, 1e-5)
 
 
-def check_indexer_topk(index_format: str, gen: torch.Generator, device) -> Row:
-    """``indexer_topk`` on integer-valued queries, keys and weights (exact in every precision,
-    so ties are exact too) against float64 scores over every entry and a stable sort."""
-    from compile_ops.indexer.cache import new_index_cache, read_index_keys
-
+def _indexer_problem(index_format: str, gen: torch.Generator, hole: bool = True):
+    """Integer-valued keys ``[slots, 128]``, a block table (with a hole: a ``-1`` page),
+    queries, weights, rows and entry counts (exact in every precision, so ties are exact
+    too); and the float64 top-k of every token (a stable sort: ties to the lower id)."""
     T, Hi, R, B, page, k = 6, 8, 3, 5, 16, 24
-    cache = new_index_cache(index_format, R * B + 1, page, device=device)
     n_slots = (R * B + 1) * page
-    compile_ops.write_index_keys(cache, torch.arange(n_slots, device=device),
-                                 torch.randint(-4, 5, (n_slots, 128), generator=gen).float().to(device), index_format)
+    keys = torch.randint(-4, 5, (n_slots, 128), generator=gen).float()
     table = torch.randperm(R * B + 1, generator=gen)[: R * B].view(R, B).to(i32)
-    table[1, 2] = -1
+    if hole:
+        table[1, 2] = -1
     q = torch.randint(-2, 3, (T, Hi, 128), generator=gen).to(torch.bfloat16)  # e4m3-exact after scaling
     weights = torch.randint(-3, 4, (T, Hi), generator=gen).float()
     rows = torch.tensor([0, 1, 2, 1, 3, -1], dtype=i32)
     n = torch.tensor([80, 70, 5, 0, 10, 9], dtype=i32)
-    got = compile_ops.indexer_topk(q.to(device), weights.to(device), cache, table.to(device), rows.to(device),
-                                   n.to(device), k, index_format).cpu()
-    keys = read_index_keys(cache, torch.arange(n_slots, device=device), index_format).double().cpu()
     want = torch.full((T, k), -1, dtype=i32)
     for t in range(T):
         r, count = int(rows[t]), min(int(n[t]), B * page)
         if not 0 <= r < R or count <= 0:
             continue
         ids = torch.arange(count)
-        pages = table[r, ids // page].long()
-        ids = ids[pages >= 0]
+        ids = ids[table[r, ids // page] >= 0]
         slots = table[r, ids // page].long() * page + ids % page
-        score = (torch.einsum("hd,nd->hn", q[t].double(), keys[slots]).clamp_min(0) * weights[t].double()[:, None]).sum(0)
+        score = (torch.einsum("hd,nd->hn", q[t].double(), keys[slots].double()).clamp_min(0)
+                 * weights[t].double()[:, None]).sum(0)
         order = torch.sort(-score, stable=True).indices[:k]
         want[t, : order.shape[0]] = ids[order].to(i32)
+    return dict(keys=keys, table=table, q=q, weights=weights, rows=rows, n=n, k=k, page=page), want
+
+
+def check_indexer_topk(index_format: str, gen: torch.Generator, device) -> Row:
+    """``indexer_topk`` on integer-valued data against float64 scores over every entry and a
+    stable sort; the error is the number of tokens whose ids differ."""
+    from compile_ops.indexer.cache import new_index_cache
+
+    p, want = _indexer_problem(index_format, gen)
+    cache = new_index_cache(index_format, p["keys"].shape[0] // p["page"], p["page"], device=device)
+    compile_ops.write_index_keys(cache, torch.arange(p["keys"].shape[0], device=device), p["keys"].to(device),
+                                 index_format)
+    got = compile_ops.indexer_topk(p["q"].to(device), p["weights"].to(device), cache, p["table"].to(device),
+                                   p["rows"].to(device), p["n"].to(device), p["k"], index_format).cpu()
+    T, Hi = p["q"].shape[:2]
     error = float((got != want).any(1).sum())
-    return Row(f"indexer_topk[{index_format}]", compile_ops.backend_for("indexer", device), f"T={T} Hi={Hi} k={k} n<=80",
-               error, 0.0)
+    return Row(f"indexer_topk[{index_format}]", compile_ops.backend_for("indexer", device),
+               f"T={T} Hi={Hi} k={p['k']} n<=80", error, 0.0)
+
+
+def _dcp_indexer_worker(rank: int, world: int, store: str, result_dir: str) -> None:
+    """``dcp_indexer_topk`` on rank ``rank``'s shard (interleave 2) of the same problem."""
+    import torch.distributed as dist
+
+    from compile_ops.indexer.cache import new_index_cache
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    interleave = 2
+    p, want = _indexer_problem("fp8", torch.Generator().manual_seed(1), hole=False)
+    page, table = p["page"], p["table"]
+    R, B = table.shape
+    span, total = world * interleave, B * page
+    # this rank's entries of each request, at their local ids, in pages of its own
+    held = (total // span) * interleave + min(max(total % span - rank * interleave, 0), interleave)
+    local_pages = -(-held // page)
+    cache = new_index_cache("fp8", R * local_pages, page)
+    local_table = torch.arange(R * local_pages, dtype=i32).view(R, local_pages)
+    for r in range(R):
+        c = torch.arange(total)
+        c = c[(c // interleave) % world == rank]
+        local = (c // span) * interleave + c % interleave
+        src = table[r, c // page].long() * page + c % page
+        dst = local_table[r, local // page].long() * page + local % page
+        compile_ops.write_index_keys(cache, dst, p["keys"][src], "fp8")
+    got = compile_ops.dcp_indexer_topk(p["q"], p["weights"], cache, local_table, p["rows"], p["n"], p["k"], "fp8",
+                                       dist.group.WORLD.group_name, interleave)
+    with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
+        f.write(repr(float((got != want).any(1).sum())))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def check_dcp_indexer_topk(world: int = 2) -> Row:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_dcp_indexer_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world)
+        error = max(float(open(os.path.join(tmp, f"rank{r}")).read()) for r in range(world))
+    return Row("dcp_indexer_topk[fp8]", "gloo", f"world={world} I=2 T=6 k=24", error, 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compile_ops", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m compile_ops", description=description(__doc__))
     parser.add_argument("--device", default="cpu", help="device to run the ops on (default: cpu)")
     parser.add_argument("--backend", default="reference", help="backend for every op family, or 'auto' (default: reference)")
-    parser.add_argument("--no-dcp", action="store_true", help="skip the 2-process gloo dcp_combine check")
+    parser.add_argument("--no-dcp", action="store_true",
+                        help="skip the 2-process gloo checks (dcp_combine, dcp_indexer_topk)")
     args = parser.parse_args(argv)
     families = [f.name for f in fields(compile_ops.BackendConfig)]
     choice = {family: args.backend for family in families}
@@ -244,11 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     with compile_ops.use_backends(**choice):
         rows = [check_sparse_mla(f, gen, device) for f in KV_FORMATS]
+        rows += [check_sparse_mla("fp8_dsv41", gen, device, into_buffers=True)]
+        rows += check_writes(gen, device)
         rows += [check_indexer_topk(f, gen, device) for f in ("bf16", "fp8")]
+        rows += [check_fp8_linear(block, gen, device) for block in (128, 32)]
         rows += check_slots(gen, device)
         rows.append(check_lse_combine(gen, device))
         if not args.no_dcp:
             rows.append(check_dcp_combine())
+            rows.append(check_dcp_indexer_topk())
     header = ("op", "backend", "shapes", "max error", "tolerance", "verdict")
     table = [header] + [(r.op, r.backend, r.shapes, f"{r.error:.2e}", f"{r.tolerance:.1e}", r.verdict) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]

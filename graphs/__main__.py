@@ -40,6 +40,7 @@ import time
 import torch
 
 import compile_ops
+from compile_ops._cli import description
 from compile_ops.formats import KV_FORMATS
 from graphs import DEFAULT_BUCKETS, PRESETS, TINY, V41_FLASH, CacheConfig, DSV41Attention, StepRunner, buffer_bytes
 from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
@@ -49,14 +50,19 @@ from graphs.naive import FP8_CACHE_REL_TOL, REL_TOL, oracle_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
 DEFAULT_RATIOS = (1, 2)
-OP_FAMILIES = ("sparse_mla", "slots", "kv", "indexer")  # the families --backend chooses for
+OP_FAMILIES = tuple(f.name for f in dataclasses.fields(compile_ops.BackendConfig))  # every family --backend sets
 GPU_PROMPTS = (1000, 300, 64, 700, 5, 450, 130, 900, 33, 260)
 CPU_PROMPTS = (40, 9, 23, 3, 17, 30)
 LONG = 128 * 1024
 
 
+def backend_choice(name: str) -> dict[str, str]:
+    """``--backend name`` per op family: ``name`` where the family registers it, else ``auto``."""
+    return {f: name if name in compile_ops.backends.backends(f) else "auto" for f in OP_FAMILIES}
+
+
 def parse_args(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m graphs", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m graphs", description=description(__doc__, 1))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model dims (default: V4.1-Flash on GPU, tiny on CPU)")
@@ -68,8 +74,9 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--kv-format", choices=sorted(KV_FORMATS),
                    help="cache format (default: fp8_dsv41 on GPU, bf16 on CPU)")
     p.add_argument("--backend", default="auto",
-                   help="backend of sparse_mla and the slot ops: auto, or one both register: reference, triton "
-                        "(default: auto)")
+                   help="backend of every op family (sparse_mla, slots, combine, kv, indexer, linear): auto, "
+                        "reference or triton; a backend only some families have (gluon, flashmla, flashinfer, "
+                        "scaled_mm) is used by those and the others stay auto (default: auto)")
     p.add_argument("--iters", type=int, default=20, help="GPU: timed iterations, x5 for replays (default: 20)")
     p.add_argument("--plot", help="GPU: PNG path for the step-time plot (default: no plot)")
     p.add_argument("--json", help="write all results here")
@@ -91,8 +98,11 @@ def parse_args(argv) -> argparse.Namespace:
         args.device = torch.device(args.device)
         if args.kv_format is None:
             args.kv_format = "fp8_dsv41" if args.device.type == "cuda" else "bf16"
-        for family in OP_FAMILIES:
-            with compile_ops.use_backends(**{family: args.backend}):
+        known = {name for family in OP_FAMILIES for name in compile_ops.backends.backends(family)} | {"auto"}
+        if args.backend not in known:
+            raise ValueError(f"--backend must be 'auto' or one of {sorted(known - {'auto'})}, got {args.backend!r}")
+        for family, name in backend_choice(args.backend).items():
+            with compile_ops.use_backends(**{family: name}):
                 compile_ops.backend_for(family, args.device, args.kv_format)
         for ratio in args.ratios:  # every layer's geometry, before any work
             cfg, cache, _ = geometry(args, ratio)
@@ -167,6 +177,7 @@ def run_layer(args, ratio, deadline) -> dict:
             runner.capture()
         else:
             progress(ratio, start, "compiling (fullgraph=True, dynamic tokens)")
+            runner.trace()
     info.update(compile_and_capture_s=round(time.perf_counter() - start, 1))
     work = workload(args, cuda)
     kinds = work.kinds()
@@ -406,7 +417,7 @@ def main(argv=None) -> int:
         return run_dcp(args)
     results = {}
     for ratio in args.ratios:
-        with compile_ops.use_backends(sparse_mla=args.backend, slots=args.backend, kv=args.backend, indexer=args.backend):
+        with compile_ops.use_backends(**backend_choice(args.backend)):
             info = run_layer(args, ratio, deadline)
         report(info)
         results[f"ratio {ratio}"] = info

@@ -196,8 +196,12 @@ def oracle_verdict(layer: DSV41Attention, xs: Sequence[Tensor], outs: Sequence[T
     positions ``0 .. n_q - 1``) and, for a compressed layer, its top-k ids ``topk[q] [n_q,
     K]`` (``-1`` padded) with the oracle."""
     ratio, tokens, worst, errors = layer.compress_ratio, 0, 0.0, 0
+    if layer.indexer is not None and topk is None:
+        raise ValueError("oracle_verdict needs the layer's own top-k picks (topk[q] [n_q, K], e.g. "
+                         "run_workload(..., watch=layer.topk_ids)) for a layer with an indexer: near-tied scores "
+                         "pick other entries than the oracle's, and comparing outputs without them measures the ties")
     for q, x in enumerate(xs):
-        chosen = [[c for c in row if c >= 0] for row in topk[q].tolist()] if ratio else None
+        chosen = [[c for c in row if c >= 0] for row in topk[q].tolist()] if ratio and topk is not None else None
         want = naive_outputs(layer, x, chosen)
         tokens += want.shape[0]
         worst = max(worst, ((outs[q].float() - want).abs().max() / want.abs().max()).item())

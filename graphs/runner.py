@@ -138,10 +138,12 @@ class StepRunner:
         x = self.x[:size]
         return compiled_call(self.fn, x) if self.compiled else self.fn(x)
 
-    def _trace_once(self) -> None:
-        """Trace the compiled step first at size 1, on all-padding metadata (it writes
-        nothing a valid token reads): traced at a larger size, Dynamo guards ``T >= 2`` and
-        size 1 would compile a second graph."""
+    @torch.no_grad()
+    def trace(self) -> None:
+        """Compile the step now, if ``compile`` and not done yet (``capture()`` and the first
+        ``step()`` call it): traced first at size 1, on all-padding metadata (it writes
+        nothing a valid token reads); traced at a larger size, Dynamo would guard ``T >= 2``
+        and size 1 would compile a second graph."""
         if self.compiled and not self._traced:
             self.meta.ints[0].fill_(-1)
             self.run(1)
@@ -156,7 +158,7 @@ class StepRunner:
         """
         if not self.cuda_graphs:
             raise RuntimeError("capture() needs a CUDA layer (cuda_graphs=True)")
-        self._trace_once()
+        self.trace()
         self.meta.ints[0].fill_(-1)
         pool = None
         stream = torch.cuda.Stream()
@@ -195,7 +197,7 @@ class StepRunner:
         if positions.shape != (n,):
             raise ValueError(f"positions must be [n] = [{n}] like x's tokens, got {tuple(positions.shape)}")
         size = self.bucket_for(n)
-        self._trace_once()
+        self.trace()
         self.pages.plan(positions, token_to_req)
         swa, cmp = self.pages.take_changes()
         positions, token_to_req, swa, cmp = self._to_device(positions, token_to_req, swa, cmp)

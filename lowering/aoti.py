@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.export import Dim, ExportedProgram
 
 import lowering  # noqa: F401  (installs the Inductor rules before anything is traced)
+from compile_ops._cli import description
 from graphs.attention import DSV41Attention
 from graphs.config import PRESETS, CacheConfig
 from graphs.metadata import StepMetadata
@@ -90,7 +91,7 @@ def remaining_custom_ops(program: ExportedProgram) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """``python -m lowering.aoti --out step.pt2``: export and package the decode step."""
-    parser = argparse.ArgumentParser(prog="python -m lowering.aoti", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lowering.aoti", description=description(__doc__))
     parser.add_argument("--out", required=True, help="package path (.pt2)")
     parser.add_argument("--config", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--ratio", type=int, default=2, help="compress ratio of the layer (0 = SWA only)")

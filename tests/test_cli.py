@@ -102,9 +102,48 @@ def test_bench_dispatcher(argv, status, says, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-def test_gpu_benchmarks_refuse_without_cuda(capsys):
-    assert bench_main.main(["linear", "--tokens", "1"]) == 1
+@pytest.mark.parametrize("argv", [["linear", "--tokens", "1"], ["sparse-mla"], ["indexer"], ["slots"]],
+                         ids=["linear", "sparse-mla", "indexer", "slots"])
+def test_gpu_benchmarks_refuse_without_cuda(argv, capsys):
+    assert bench_main.main(argv) == 1
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("main, argv", [
+    (graphs_main.main, ["--help"]), (selfcheck.main, ["--help"]), (bench_main.main, ["linear", "--help"]),
+    (bench_main.main, ["sparse-mla", "--help"]), (bench_main.main, ["indexer", "--help"]),
+], ids=["graphs", "selfcheck", "bench-linear", "bench-sparse-mla", "bench-indexer"])
+def test_help_is_plain_text(main, argv, capsys):
+    """``--help`` prints the module docstring's paragraph without reST markup."""
+    assert exits(main, argv)[0] == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and len(out) > 200
+
+
+def test_selfcheck_has_a_row_for_every_op(capsys):
+    """``python -m compile_ops`` checks every public op against its oracle (gloo rows included)."""
+    import compile_ops
+
+    assert selfcheck.main([]) == 0
+    out = capsys.readouterr().out
+    ops = {line.split()[0].split("[")[0] for line in out.splitlines()[2:] if line and not line[0].isspace()
+           and "ops match" not in line}
+    public = {n for n in compile_ops.__all__ if hasattr(torch.ops.dsv41, n)}
+    assert public <= ops, f"no row for {sorted(public - ops)}"
+
+
+def test_backend_applies_to_every_family():
+    """``--backend reference`` runs every family on the reference (fp8_linear and the combine
+    included); a backend only sparse_mla has leaves the others on ``auto``."""
+    import dataclasses
+
+    import compile_ops
+
+    families = {f.name for f in dataclasses.fields(compile_ops.BackendConfig)}
+    assert set(graphs_main.OP_FAMILIES) == families
+    assert graphs_main.backend_choice("reference") == dict.fromkeys(families, "reference")
+    gluon = graphs_main.backend_choice("gluon")
+    assert gluon["sparse_mla"] == "gluon" and {gluon[f] for f in families - {"sparse_mla"}} == {"auto"}
 
 
 def test_oracle_verdict_fails_on_outputs_or_picks():

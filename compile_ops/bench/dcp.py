@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from compile_ops._cli import description
 from compile_ops.bench.slots import int_list
 
 D = 512
@@ -154,7 +155,7 @@ def _report(rows, world, args) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compile_ops.bench dcp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m compile_ops.bench dcp", description=description(__doc__))
     parser.add_argument("--tokens", type=int_list, default="1,8,64,512", help="comma-separated T values")
     parser.add_argument("--heads", type=int, default=128, help="gathered heads H_all")
     parser.add_argument("--world", type=int, default=0, help="GPUs to use (default: all)")

@@ -18,6 +18,7 @@ import csv
 
 import torch
 
+from compile_ops._cli import description
 from compile_ops.bench import COPY_BYTES_PER_S as HBM_BYTES_PER_S
 from compile_ops.bench.slots import graph_args, graph_time_us, int_list, no_cuda
 
@@ -66,7 +67,7 @@ def dense_reference(q, weights, cache, table, rows, counts):
 def main(argv: list[str]) -> int:
     from tqdm import tqdm
 
-    parser = argparse.ArgumentParser(prog="python -m compile_ops.bench indexer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m compile_ops.bench indexer", description=description(__doc__))
     parser.add_argument("--tokens", type=int_list, default="1,8,64", help="comma-separated T values (decode tokens)")
     parser.add_argument("--entries", type=int_list, default="8192,32768,131072",
                         help="comma-separated entries per request")

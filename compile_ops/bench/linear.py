@@ -17,6 +17,7 @@ import csv
 import torch
 import torch.nn.functional as F
 
+from compile_ops._cli import description
 from compile_ops.bench import COPY_BYTES_PER_S
 from compile_ops.bench.slots import graph_args, graph_time_us, int_list, no_cuda
 
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
     from compile_ops.backends import resolve
     from compile_ops.linear import fp8_linear, quantize_blocks
 
-    parser = argparse.ArgumentParser(prog="python -m compile_ops.bench linear", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m compile_ops.bench linear", description=description(__doc__))
     parser.add_argument("--tokens", type=int_list, default="1,4,16,64,128,256,1024,4096",
                         help="comma-separated token counts M")
     parser.add_argument("--block", type=int, choices=(32, 128), default=32,

@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from compile_ops._cli import description
+
 I32 = torch.int32
 
 
@@ -115,7 +117,7 @@ def moved_bytes(op: str, T: int, K: int) -> int:
 def main(argv: list[str]) -> int:
     from tqdm import tqdm
 
-    parser = argparse.ArgumentParser(prog="python -m compile_ops.bench slots", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m compile_ops.bench slots", description=description(__doc__))
     parser.add_argument("--tokens", type=int_list, default="1,4,16,64,256,512,1024,4096", help="comma-separated T values")
     parser.add_argument("--topk", type=int_list, default="512,2048", help="comma-separated K values")
     parser.add_argument("--window", type=int, default=128)

@@ -34,15 +34,17 @@ import time
 
 import torch
 
+from compile_ops._cli import description
 from compile_ops.bench import BF16_FLOPS_PER_S as PEAK_FLOPS
 from compile_ops.bench import COPY_BYTES_PER_S as PEAK_BYTES
+from compile_ops.bench.slots import no_cuda
 
 FORMATS = ("bf16", "fp8", "fp8_ds_mla", "fp8_dsv41")
 W, PAGE = 128, 64
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m compile_ops.bench sparse-mla", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m compile_ops.bench sparse-mla", description=description(__doc__))
     p.add_argument("--T", default="1,8,32,128,512,2048", help="token counts")
     p.add_argument("--shapes", default="64:512,128:1024", help="H:K pairs")
     p.add_argument("--formats", default=",".join(FORMATS))
@@ -158,6 +160,8 @@ def main(argv=None):
     except ImportError:  # pragma: no cover
         tqdm = lambda x, **k: x  # noqa: E731
     device = torch.device(args.device)
+    if device.type == "cuda" and no_cuda("sparse-mla"):  # (--device cpu times the reference by wall clock)
+        return 1
     Ts = [int(t) for t in args.T.split(",") if t]
     ref_Ts = {int(t) for t in args.ref_T.split(",") if t}
     profile_Ts = {int(t) for t in args.profile_T.split(",") if t}
