@@ -10,8 +10,12 @@ through :func:`torch.library.wrap_triton`, so the traced graph holds
 ``triton_kernel_wrapper_functional`` nodes that Inductor (and AOTInductor) compile into
 their own generated code next to the fused kernels around them, with no dispatcher call.
 ``write_kv`` (the ``"kv"`` family) inlines as its torch quantizer, which Inductor fuses,
-plus the Triton row store, so an AOTInductor package of the decode step on CUDA calls no
-``dsv41`` op at all. Anywhere else (CPU, the reference backend, FlashMLA / FlashInfer
+plus the Triton row store. The indexer's ``write_index_keys`` and ``indexer_topk`` inline
+when Inductor compiles for AOTInductor (``torch._inductor.config.cpp_wrapper``; the top-k
+when every step's scores fit one scratch chunk for the traced range of ``T``), so an
+AOTInductor package of the decode step on CUDA calls no ``dsv41`` op at all; under
+``torch.compile`` they stay extern calls (inlined there, Inductor copies ``sparse_mla``'s
+workspace every step). Anywhere else (CPU, the reference backend, FlashMLA / FlashInfer
 backends, and ``dcp_combine``, whose collectives stay calls) the rule falls through and the op stays an
 opaque node: Inductor calls it as an extern kernel (``torch.ops.dsv41.*``), the reference
 being the CPU kernel. This is the mechanism of ``torch.library.triton_op``, applied only
@@ -44,12 +48,15 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 
 from compile_ops import backends
 from compile_ops.combine.ops import lse_combine
+from compile_ops.indexer.ops import indexer_topk, write_index_keys
 from compile_ops.kv.ops import write_kv
 from compile_ops.mla.ops import sparse_mla, sparse_mla_out
 from compile_ops.slots.ops import dcp_topk_to_slots, swa_indices, topk_to_slots
 
 # op -> (backend family, argument whose device decides, kv_format argument or None)
 INLINED_OPS: dict[CustomOpDef, tuple[str, str, Optional[str]]] = {
+    write_index_keys: ("kv", "cache", None),
+    indexer_topk: ("indexer", "q", None),
     sparse_mla_out: ("sparse_mla", "q", "kv_format"),
     sparse_mla: ("sparse_mla", "q", "kv_format"),
     topk_to_slots: ("slots", "topk", None),
@@ -58,6 +65,11 @@ INLINED_OPS: dict[CustomOpDef, tuple[str, str, Optional[str]]] = {
     lse_combine: ("combine", "partial_out", None),
     write_kv: ("kv", "cache", None),
 }
+
+# inlined only for AOTInductor (the C++ wrapper, ``config.cpp_wrapper``): its proxy-executor
+# calls of these two ops crash torch 2.11's package loader, while under torch.compile's
+# Python wrapper, inlined, they make Inductor clone sparse_mla's workspace every step
+INDEXER_OPS = (write_index_keys, indexer_topk)
 
 _state = threading.local()
 _installed: list[str] = []
@@ -99,9 +111,19 @@ def inlines(op: CustomOpDef, *args: Any, **kwargs: Any) -> bool:
         return False
     kv_format = bound.arguments[format_arg] if format_arg else None
     try:
-        return backends.backend_for(family, device, kv_format) == "triton"
+        if backends.backend_for(family, device, kv_format) != "triton":
+            return False
     except ValueError:  # no usable backend: the op itself raises the reason when it runs
         return False
+    if op in INDEXER_OPS:
+        if not torch._inductor.config.cpp_wrapper:  # AOTInductor's C++ wrapper only (see the module doc)
+            return False
+        if op is indexer_topk:  # its scores scratch must be one chunk for every T the trace admits
+            from compile_ops.indexer.triton import one_chunk
+
+            a = bound.arguments
+            return one_chunk(a["q"].shape[0], a["block_table"].shape[1] * a["index_cache"].shape[1])
+    return True
 
 
 def _rule(op: CustomOpDef) -> Callable:

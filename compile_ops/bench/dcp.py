@@ -49,12 +49,12 @@ def _bench_rank(rank: int, world: int, store_path: str, args) -> None:
     H_all = args.heads
     todo = [(T, what) for T in args.tokens for what in CASES]
     rows = []
-    progress = todo
+    cases = todo
     if rank == 0:
-        from tqdm import tqdm
+        from compile_ops.bench import progress
 
-        progress = tqdm(todo, desc=f"dcp x{world}", unit="case")
-    for T, what in progress:
+        cases = progress(todo, desc=f"dcp x{world}", unit="case")
+    for T, what in cases:
         gen = torch.Generator(device=device).manual_seed(rank * 1000 + T)
         out = torch.randn(T, H_all, D, device=device, generator=gen).bfloat16()
         lse = torch.randn(T, H_all, device=device, generator=gen) * 4

@@ -65,7 +65,7 @@ def dense_reference(q, weights, cache, table, rows, counts):
 
 
 def main(argv: list[str]) -> int:
-    from tqdm import tqdm
+    from compile_ops.bench import progress
 
     parser = argparse.ArgumentParser(prog="python -m compile_ops.bench indexer", description=description(__doc__))
     parser.add_argument("--tokens", type=int_list, default="1,8,64", help="comma-separated T values (decode tokens)")
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     todo = [(T, n) for n in args.entries for T in args.tokens]
     rows = []
     compiled_reference = torch.compile(dense_reference, dynamic=False)
-    for T, n in tqdm(todo, desc="indexer", unit="case"):
+    for T, n in progress(todo, desc="indexer", unit="case"):
         p = problem(T, n, n, device)
         op_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp8"), args.calls, args.replays)
         fmt = ops._check_topk(*p, K, "fp8")

@@ -31,7 +31,7 @@ def floor_us(weight_bytes: int, M: int, N: int, K: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    from tqdm import tqdm
+    from compile_ops.bench import progress
 
     import compile_ops
     from compile_ops.backends import resolve
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda")
     rows = []
     todo = [(name, M) for name in FLASH_PROJECTIONS for M in args.tokens]
-    for name, M in tqdm(todo, desc="linear", unit="case"):
+    for name, M in progress(todo, desc="linear", unit="case"):
         N, K, G = FLASH_PROJECTIONS[name]
         gen = torch.Generator(device=device).manual_seed(M)
         w = torch.randn(N, K, device=device, generator=gen) / K**0.5

@@ -115,7 +115,7 @@ def moved_bytes(op: str, T: int, K: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from tqdm import tqdm
+    from compile_ops.bench import progress
 
     parser = argparse.ArgumentParser(prog="python -m compile_ops.bench slots", description=description(__doc__))
     parser.add_argument("--tokens", type=int_list, default="1,4,16,64,256,512,1024,4096", help="comma-separated T values")
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda")
     todo = list(cases(args.tokens, args.topk, args.window))
     rows = []
-    for op, fast, slow, T, K in tqdm(todo, desc="slots", unit="case"):
+    for op, fast, slow, T, K in progress(todo, desc="slots", unit="case"):
         p = topk_problem(T, K, device)
         fast_us = graph_time_us(call(op, fast, p), args.calls, args.replays)
         slow_us = graph_time_us(call(op, slow, p), args.calls, args.replays)

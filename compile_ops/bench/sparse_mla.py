@@ -155,10 +155,7 @@ def main(argv=None):
     from compile_ops.mla.inputs import SparseMLAArgs
     from compile_ops.mla.reference import sparse_mla_reference
 
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = lambda x, **k: x  # noqa: E731
+    from compile_ops.bench import progress
     device = torch.device(args.device)
     if device.type == "cuda" and no_cuda("sparse-mla"):  # (--device cpu times the reference by wall clock)
         return 1
@@ -228,7 +225,7 @@ def main(argv=None):
 
     compiled_ref = torch.compile(reference_fn, dynamic=False)
     jobs = [(H, K, T) for H, K in shapes for T in Ts]
-    bar = tqdm(total=len(jobs), desc="sparse-mla", unit="case")
+    bar = progress(total=len(jobs), desc="sparse-mla", unit="case")
     swa = cmp = None
     for H, K in shapes:
         n_swa = -(-max(2 * max(Ts) * W, 4 * W) // PAGE) * PAGE

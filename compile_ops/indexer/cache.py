@@ -87,7 +87,8 @@ def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     per row (the rule of the module docstring; used for the keys and the queries)."""
     x = x.float()
     exponent = ue8m0_exponent(x.abs().amax(-1))
-    scale = torch.ldexp(torch.ones_like(x[..., 0]), exponent - UE8M0_BIAS)
+    # a contiguous scale (ones_like(x[..., 0]) would keep x's row stride): its bytes are viewed
+    scale = torch.ldexp(torch.ones(x.shape[:-1], device=x.device), exponent - UE8M0_BIAS)
     return (x / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
@@ -95,7 +96,9 @@ def encode_index_rows(keys: torch.Tensor, index_format: str) -> torch.Tensor:
     """Keys ``[N, 128]`` (any float dtype) -> cache bytes ``[N, bytes_per_token]`` uint8."""
     if get_index_format(index_format).fp8:
         values, scale = quantize_e4m3(keys)
-        return torch.cat([values.view(torch.uint8), scale.unsqueeze(-1).view(torch.uint8)], -1)
+        # the scale's 4 bytes from a flat view: a [N, 1] view's size-1 dim may get stride 0
+        # in Inductor's layout, which a dtype view refuses
+        return torch.cat([values.view(torch.uint8), scale.contiguous().view(torch.uint8).view(-1, 4)], -1)
     return keys.to(torch.bfloat16).view(torch.uint8)
 
 

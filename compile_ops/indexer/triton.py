@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compile_ops._launch import INTERPRET, launchable
 from compile_ops.indexer.inputs import IndexerArgs
@@ -225,13 +226,21 @@ def _sort_kernel(state, counts, ids, vals, s_it, K, S, S_PAD: tl.constexpr, K_PA
     tl.store(vals + i_t * s_it + o_k, tl.where(m_k, bits, float("-inf")), mask=m_out)
 
 
+def one_chunk(T, L: int) -> bool:
+    """Whether the scores of ``T`` tokens over ``L`` entries fit one scratch chunk, known
+    without a guard (a traced ``T`` is bounded by its range, e.g. an export's ``Dim``)."""
+    return statically_known_true(T * 4 * L <= SCORES_BYTES)
+
+
 def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, k: int,
                  block: int = TOPK_BLOCK) -> None:
     """The exact top-``k`` of each row's first ``n[t]`` scores (``-inf`` = none) into ``ids`` /
     ``vals [T, k]``: radix passes over ``S`` segments of every row at once (segments of a
-    multiple of ``block`` scores), then one sort."""
+    multiple of ``block`` scores), then one sort. A traced (symbolic) ``T`` takes one token's
+    segment count, since ``S`` sets compile-time sizes; any ``S`` gives the same ids."""
     T, L = scores.shape
-    S = max(1, min(MAX_SEGMENTS, TOPK_PROGRAMS_PER_SM * num_sms(scores.device) // max(1, T), triton.cdiv(L, block)))
+    per_token = TOPK_PROGRAMS_PER_SM * num_sms(scores.device) // (T if isinstance(T, int) else 1)
+    S = max(1, min(MAX_SEGMENTS, per_token, triton.cdiv(L, block)))
     seg = triton.cdiv(triton.cdiv(L, S), block) * block
     S = triton.cdiv(L, seg)
     bins = 1 << TOPK_DIGIT
@@ -263,19 +272,23 @@ def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.empty((T, k), dtype=torch.int32, device=q.device)
     vals = torch.empty((T, k), dtype=torch.float32, device=q.device)
     HI = max(16, triton.next_power_of_2(Hi))
-    chunk = max(1, min(T, SCORES_BYTES // (4 * L)))
     sms = num_sms(q.device)
     blocks = triton.cdiv(L, BN)
-    for lo in range(0, T, chunk):
-        hi = min(T, lo + chunk)
+    if one_chunk(T, L):  # (a traced T: the lowering inlines only such calls)
+        chunks = [(0, T)]
+    else:
+        chunk = max(1, SCORES_BYTES // (4 * L))
+        chunks = [(lo, min(T, lo + chunk)) for lo in range(0, T, chunk)]
+    for lo, hi in chunks:
         scores = torch.empty((hi - lo, L), dtype=torch.float32, device=q.device)
-        S = max(1, min(blocks, SCORE_PROGRAMS_PER_SM * sms // (hi - lo)))
+        S = torch.sym_max(1, torch.sym_min(blocks, SCORE_PROGRAMS_PER_SM * sms // (hi - lo)))
         launchable(_scores_kernel, q)[(hi - lo, S)](
             q[lo:hi], w[lo:hi], cache, table, rows[lo:hi], n[lo:hi], scores,
             q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
             cache.shape[0] * page_size, page_size, Hi, S,
             HI=HI, FP8=fmt.fp8, BN=BN, ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET,
-            num_stages=4 if hi - lo >= 32 else 2,  # deeper key prefetch once many tokens share the SMs
+            # deeper key prefetch once many tokens share the SMs
+            num_stages=4 if statically_known_true(hi - lo >= 32) else 2,
         )
         topk_of_rows(scores, n[lo:hi], ids[lo:hi], vals[lo:hi], k)
     return ids, vals
