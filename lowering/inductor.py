@@ -14,8 +14,7 @@ plus the Triton row store. The indexer's ``write_index_keys`` and ``indexer_topk
 when Inductor compiles for AOTInductor (``torch._inductor.config.cpp_wrapper``; the top-k
 when every step's scores fit one scratch chunk for the traced range of ``T``), so an
 AOTInductor package of the decode step on CUDA calls no ``dsv41`` op at all; under
-``torch.compile`` they stay extern calls (inlined there, Inductor copies ``sparse_mla``'s
-workspace every step). Anywhere else (CPU, the reference backend, FlashMLA / FlashInfer
+``torch.compile`` they stay extern calls (docs/lowering.md says what was and was not run). Anywhere else (CPU, the reference backend, FlashMLA / FlashInfer
 backends, and ``dcp_combine``, whose collectives stay calls) the rule falls through and the op stays an
 opaque node: Inductor calls it as an extern kernel (``torch.ops.dsv41.*``), the reference
 being the CPU kernel. This is the mechanism of ``torch.library.triton_op``, applied only
@@ -67,8 +66,8 @@ INLINED_OPS: dict[CustomOpDef, tuple[str, str, Optional[str]]] = {
 }
 
 # inlined only for AOTInductor (the C++ wrapper, ``config.cpp_wrapper``): its proxy-executor
-# calls of these two ops crash torch 2.11's package loader, while under torch.compile's
-# Python wrapper, inlined, they make Inductor clone sparse_mla's workspace every step
+# calls of these two ops crash torch 2.11's package loader; torch.compile's Python wrapper
+# calls them as extern kernels, the path its captured graphs were verified on
 INDEXER_OPS = (write_index_keys, indexer_topk)
 
 _state = threading.local()

@@ -120,7 +120,7 @@ def check_inductor():
     save("inductor_decode_step.py", code)
     found = {k: k in code for k in KERNELS}
     extern = sorted({line.split("(")[0].strip().split("=")[-1].strip()
-                     for line in code.splitlines() if "torch.ops.dsv41." in line and "(" in line
+                     for line in code.splitlines() if "torch.ops.dsv41." in line.split("(")[0]
                      and not line.strip().startswith("#")})
     missed = counters["inductor"]["possibly_missed_reinplacing_opportunities"]
     missing = [k for k in KERNELS if k not in code]
