@@ -8,6 +8,8 @@ from compile_ops.formats import new_cache
 from compile_ops.indexer.cache import new_index_cache
 from graphs import TINY, CacheConfig, DSV41Attention, StepMetadata, StepRunner
 
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 i32 = torch.int32
 
 

@@ -17,6 +17,8 @@ from graphs import AttentionConfig, CacheConfig, DSV41Attention, TINY
 from graphs.checkpoint import hf_name, layer_prefix, layer_ratios, load_attention_weights
 from graphs.fp8 import to_fp8_state_dict
 
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 CACHE = CacheConfig(2, 4, 256, 4)
 RATIOS = [0, 4, 128, 4, 2]  # per layer of the synthetic model
 

@@ -13,6 +13,8 @@ import compile_ops
 import oracle
 from helpers import examples
 
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 
 
 @settings(max_examples=examples(), deadline=None)

@@ -8,6 +8,10 @@ import io
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 

@@ -14,6 +14,8 @@ from compile_ops.formats import KV_FORMATS, get_format, new_cache, read_kv
 import oracle
 from helpers import examples
 
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 
 
 def bound(kv_format, x, kv_scale):

@@ -68,6 +68,7 @@ RATIOS = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("ratio, max_seq_len, steps", RATIOS)
 def test_decode_matches_full_history_oracle(ratio, max_seq_len, steps):
     layer = make_layer(ratio, max_seq_len=max_seq_len)
@@ -83,6 +84,7 @@ def prompt_then_decode(prompt: int, decode: int, chunk: int) -> Workload:
     return mixed_workload([prompt], decode, chunk=chunk, max_tokens=64, rows=1)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("ratio, max_seq_len, steps", RATIOS)
 def test_chunked_prefill_equals_token_by_token_and_the_oracle(ratio, max_seq_len, steps):
     """A prompt fed in chunks of 1, 3, 7 and 64 tokens, then decoded: every chunking gives

@@ -26,6 +26,8 @@ from graphs.bench import pick_matched
 from graphs.fp8 import FP8_LINEARS, FP8_WEIGHTS_REL_TOL as FP8_TOL, dequantized_state_dict, to_fp8_state_dict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 CFG = replace(TINY, o_lora_rank=128)  # the grouped wo_a's rows in whole 128-row scale blocks
 
 

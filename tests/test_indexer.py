@@ -19,6 +19,8 @@ from compile_ops.indexer.cache import INDEX_FORMATS, new_index_cache, read_index
 from compile_ops.indexer import ops
 from helpers import examples
 
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 i32 = torch.int32
 FORMATS = sorted(INDEX_FORMATS)
 

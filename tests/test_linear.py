@@ -15,6 +15,8 @@ from compile_ops.linear import dequantize_blocks, fp8_linear, quantize_blocks, q
 from compile_ops.linear.quant import E4M3_MAX, LAYOUTS
 from test_opcheck import opcheck
 
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 SHAPES = [(1, 64, 64), (3, 200, 300), (20, 128, 256), (17, 384, 130)]
 BLOCKS = [pytest.param(128, id="128-fp32"), pytest.param(32, id="32-ue8m0")]
 
@@ -160,6 +162,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from compile_ops.linear import triton as kernels
+
 
 
 def build(kernel, signature, constants):

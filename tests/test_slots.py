@@ -1,5 +1,6 @@
 """topk_to_slots, dcp_topk_to_slots and swa_indices (reference backend) against oracles."""
 
+import pytest
 import numpy as np
 import torch
 from hypothesis import given, settings
@@ -9,6 +10,8 @@ import compile_ops
 
 import oracle
 from helpers import examples
+
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
 
 
 tables = st.fixed_dictionaries(

@@ -14,6 +14,8 @@ from compile_ops.formats import KV_FORMATS, new_cache
 import oracle
 from helpers import examples, make_cache, make_indices
 
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 
 case = st.fixed_dictionaries(
     {

@@ -41,6 +41,8 @@ from graphs.checkpoint import layer_prefix, load_attention_weights
 from graphs.naive import SCORE_ROUNDING
 from graphs.rope import layer_inv_freq
 
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
+
 REL_TOL = 2e-2
 TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}

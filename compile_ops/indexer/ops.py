@@ -160,7 +160,9 @@ indexer_topk.__doc__ = """The ``k`` compressed entries each token's indexer scor
 
 ``score[t, c] = sum_h weights[t, h] * relu(<q[t, h], key_c>)`` over the entries
 ``c < n_entries[t]`` of request ``r = token_to_req[t]`` (entry ``c`` at slot
-``block_table[r, c // page_size] * page_size + c % page_size``). ``ids[t]`` holds the ``k``
+``block_table[r, c // page_size] * page_size + c % page_size``, ``page_size =
+index_cache.shape[1]``: the same number as the ``block_size`` given to ``topk_to_slots``
+and the compressed cache's pages, which this op cannot check). ``ids[t]`` holds the ``k``
 highest in descending score, equal scores by the lower id, then ``-1`` after the first
 ``min(k, valid entries)``. Entries whose table entry is ``-1`` or outside the cache are
 skipped (never read); ``n_entries`` above ``L = B * page_size`` counts as ``L``. Rows with

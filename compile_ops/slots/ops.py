@@ -113,7 +113,10 @@ Args:
     topk: ``[T, K]`` int32 request-local compressed ids, ``-1`` = none.
     token_to_req: ``[T]`` int32 request row of each token in ``block_table``.
     block_table: ``[R, B]`` int32 page ids of the compressed cache.
-    block_size: compressed entries per page (``>= 1``).
+    block_size: compressed entries per page (``>= 1``): the compressed cache's page size,
+        and the index-key cache's (``indexer_topk`` reads it from that cache's shape). The
+        ops cannot see each other, so a different number here gives other slots, not an
+        error: build all of them from one value.
     is_valid: ``[T]`` bool, ``False`` for padding tokens.
 
 Returns:
