@@ -11,6 +11,9 @@
   :meth:`DSV41Attention.from_checkpoint` -- a DeepSeek-V4 checkpoint's attention weights by
   their real names (DeepSeek's or Hugging Face's), strictly;
   :meth:`AttentionConfig.from_hf_config` -- the config from its ``config.json``.
+* :class:`LayerPlan` (``graphs.plan``) -- which layer owns which shared compressed cache and
+  top-k (DeepSeek-V4.1's kv / index / candidate sources), read from a ``config.json``;
+  :data:`V41_FLASH_PLAN`.
 * :class:`PageAllocator` / :class:`PagePool` -- host-side pages of the caches' pools, as an
   engine would own them.
 * :class:`LayerStep` / :class:`StepRunner` -- the step as one module; compile, capture one
@@ -28,6 +31,7 @@ from graphs.config import PRESETS, TINY, V4_FLASH, V4_PRO, V41_FLASH, AttentionC
 from graphs.memory import buffer_bytes
 from graphs.metadata import StepInputs, StepMetadata, step_inputs
 from graphs.pages import PageAllocator, PagePool
+from graphs.plan import V41_FLASH_PLAN, LayerPlan, LayerRole
 from graphs.runner import DEFAULT_BUCKETS, LayerStep, StepRunner, compiled_call, mark_tokens_dynamic
 
 __all__ = [
@@ -38,6 +42,8 @@ __all__ = [
     "DSV41Attention",
     "Fp8Linear",
     "Indexer",
+    "LayerPlan",
+    "LayerRole",
     "LayerStep",
     "PRESETS",
     "PageAllocator",
@@ -49,6 +55,7 @@ __all__ = [
     "StepRunner",
     "TINY",
     "V41_FLASH",
+    "V41_FLASH_PLAN",
     "V4_FLASH",
     "V4_PRO",
     "buffer_bytes",

@@ -411,15 +411,22 @@ class DSV41Attention(nn.Module):
         """Layer ``layer_id`` of a DeepSeek-V4 checkpoint folder (its ``config.json`` and
         ``*.safetensors``, in DeepSeek's or Hugging Face's naming): the config by
         :meth:`AttentionConfig.from_hf_config`, the layer's compress ratio from the
-        config's per-layer list, FP8 weights when the config declares them, and the
-        weights loaded strictly by :func:`graphs.checkpoint.load_attention_weights`."""
-        from graphs.checkpoint import checkpoint_weights, layer_ratios, load_attention_weights, read_config
+        config's plan (:class:`graphs.plan.LayerPlan`; a layer that shares another's cache or
+        top-k is refused), FP8 weights when the config declares them, and the weights loaded
+        strictly by :func:`graphs.checkpoint.load_attention_weights`."""
+        from graphs.checkpoint import checkpoint_weights, load_attention_weights, read_config
+        from graphs.plan import LayerPlan
 
         config = read_config(folder)
-        ratios = layer_ratios(config)
-        if not 0 <= layer_id < len(ratios):
-            raise ValueError(f"layer_id must be in 0..{len(ratios) - 1} (the config's compress_ratios), got {layer_id}")
-        layer = cls(AttentionConfig.from_hf_config(config), cache, ratios[layer_id], device=device,
+        plan = LayerPlan.from_config(config)
+        if not 0 <= layer_id < len(plan.layers):
+            raise ValueError(f"layer_id must be in 0..{len(plan.layers) - 1} (the config's compress_ratios), got {layer_id}")
+        role = plan.layers[layer_id]
+        if role.ratio and not (role.compresses and (role.index_source is None or role.indexes)):
+            raise ValueError(f"layer {layer_id} shares layer {role.kv_source}'s compressed cache and layer "
+                             f"{role.index_source}'s top-k (a DeepSeek-V4.1 reader, graphs.plan): DSV41Attention "
+                             f"runs its own compressor and indexer, DeepSeek-V4's layer")
+        layer = cls(AttentionConfig.from_hf_config(config), cache, role.ratio, device=device,
                     dcp_group=dcp_group, weights=checkpoint_weights(config))
         load_attention_weights(layer, folder, layer_id)
         return layer

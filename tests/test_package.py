@@ -59,10 +59,11 @@ def test_public_docstring_examples_run():
     import graphs.checkpoint
     import graphs.fp8
     import graphs.pages
+    import graphs.plan
 
     ran = 0
     public = [getattr(compile_ops, n) for n in compile_ops.__all__] + [getattr(graphs, n) for n in graphs.__all__]
-    for obj in public + [graphs.pages, graphs.checkpoint, graphs.fp8]:
+    for obj in public + [graphs.pages, graphs.checkpoint, graphs.fp8, graphs.plan]:
         name = getattr(obj, "__name__", repr(obj))
         doc = getattr(obj, "__doc__", None) or ""
         if ">>>" not in doc:
