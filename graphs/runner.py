@@ -55,23 +55,17 @@ def _size_oblivious():
         return contextlib.nullcontext()
 
 
-def mark_tokens_dynamic(x: Tensor, max_tokens: Optional[int] = None) -> Tensor:
-    """Mark ``x``'s token dim dynamic, at most ``max_tokens`` when given (call
-    :func:`compiled_call` to run it). The bound lets the trace decide shape questions
-    without a guard: the indexer is inlined for Inductor when every step's scores fit one
-    scratch chunk."""
-    if max_tokens is None:
-        torch._dynamo.mark_dynamic(x, 0)
-    else:
-        torch._dynamo.mark_dynamic(x, 0, min=1, max=max_tokens)
+def mark_tokens_dynamic(x: Tensor) -> Tensor:
+    """Mark ``x``'s token dim dynamic (call :func:`compiled_call` to run it)."""
+    torch._dynamo.mark_dynamic(x, 0)
     return x
 
 
-def compiled_call(fn: Callable, x: Tensor, max_tokens: Optional[int] = None) -> Tensor:
-    """``fn(x)`` with ``x``'s token dim dynamic (``<= max_tokens``) and size-1 kept symbolic:
-    one Dynamo graph (one compile) for every bucket."""
+def compiled_call(fn: Callable, x: Tensor) -> Tensor:
+    """``fn(x)`` with ``x``'s token dim dynamic and size-1 kept symbolic: one Dynamo graph
+    (one compile) for every bucket."""
     with _size_oblivious():
-        return fn(mark_tokens_dynamic(x, max_tokens))
+        return fn(mark_tokens_dynamic(x))
 
 
 class StepRunner:
@@ -142,7 +136,7 @@ class StepRunner:
     def run(self, size: int) -> Tensor:
         """Run the (compiled) step on the first ``size`` rows of the static input."""
         x = self.x[:size]
-        return compiled_call(self.fn, x, self.x.shape[0]) if self.compiled else self.fn(x)
+        return compiled_call(self.fn, x) if self.compiled else self.fn(x)
 
     @torch.no_grad()
     def trace(self) -> None:
