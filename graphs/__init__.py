@@ -19,7 +19,8 @@
 * :class:`LayerStep` / :class:`StepRunner` -- the step as one module; compile, capture one
   CUDA graph per token bucket, pad, replay; larger steps compiled without a graph.
 * Configs: :class:`AttentionConfig`, :class:`CacheConfig`, presets :data:`V41_FLASH`,
-  :data:`V4_FLASH`, :data:`V4_PRO`, :data:`TINY`.
+  :data:`V4_FLASH`, :data:`V4_PRO`, :data:`TINY`, :data:`TINY_V41` (TINY with DeepSeek-V4.1's
+  layer kinds).
 
 ``python -m graphs`` runs the main job (see ``docs/graphs.md``).
 """
@@ -27,7 +28,7 @@
 from graphs.attention import Compressor, DSV41Attention, Indexer, RMSNorm, StepRows
 from graphs.checkpoint import load_attention_weights
 from graphs.fp8 import Fp8Linear
-from graphs.config import PRESETS, TINY, V4_FLASH, V4_PRO, V41_FLASH, AttentionConfig, CacheConfig
+from graphs.config import PRESETS, TINY, TINY_V41, V4_FLASH, V4_PRO, V41_FLASH, AttentionConfig, CacheConfig
 from graphs.memory import buffer_bytes
 from graphs.metadata import StepInputs, StepMetadata, step_inputs
 from graphs.pages import PageAllocator, PagePool
@@ -54,6 +55,7 @@ __all__ = [
     "StepRows",
     "StepRunner",
     "TINY",
+    "TINY_V41",
     "V41_FLASH",
     "V41_FLASH_PLAN",
     "V4_FLASH",

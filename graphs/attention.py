@@ -153,9 +153,11 @@ class Compressor(nn.Module):
     """Softmax-gated pooling of ``ratio`` consecutive tokens into one compressed entry.
 
     Each token projects to ``kv = wkv(x)`` and gate logits ``wgate(x) + ape[pos % ratio]``
-    (fp32, per dim). When token ``pos`` closes its group (``(pos + 1) % ratio == 0``) the
-    entry is ``sum_i softmax_i(gate) * kv_i`` over the group, RMS-normalised, with RoPE at
-    the group's first position. An *overlapping* compressor (V4's ratio 4) projects twice
+    (fp32, per dim; DeepSeek-V4.1's compressors have no ``ape``, and its ratio-1 one no
+    ``wgate``: an entry is then ``norm(wkv(x))`` of one token). When token ``pos`` closes its
+    group (``(pos + 1) % ratio == 0``) the entry is ``sum_i softmax_i(gate) * kv_i`` over the
+    group, RMS-normalised (the *latent*, :meth:`latent`), with RoPE at the group's first
+    position (:meth:`forward`). An *overlapping* compressor (V4's ratio 4) projects twice
     as wide: the first half of each token's projection joins the *next* group's pool, the
     second half its own, so an entry pools ``2 * ratio`` tokens (the first group has no
     predecessor).
@@ -173,18 +175,22 @@ class Compressor(nn.Module):
     """
 
     def __init__(self, cfg: AttentionConfig, ratio: int, head_dim: int, overlap: bool, cache: CacheConfig,
-                 device=None) -> None:
+                 device=None, position_bias: bool = True, gate: bool = True) -> None:
         super().__init__()
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
         self.rope_dim = cfg.rope_head_dim
         self.width = width = (2 if overlap else 1) * head_dim
-        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32, device=device))
+        if position_bias:
+            self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32, device=device))
+        else:
+            self.register_parameter("ape", None)
         self.wkv = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device)
-        self.wgate = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device)
+        self.wgate = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device) if gate else None
         # [wkv; wgate] as bf16 high parts over bf16 low parts: bf16 tokens times both parts
         # with fp32 accumulation is the fp32 product to 2**-16 of each weight, on bf16 tensor
         # cores instead of fp32 ones; derived from the weights at load (split_weights)
-        self.register_buffer("split", torch.zeros(4 * width, cfg.dim, dtype=torch.bfloat16, device=device),
+        rows = 2 * (2 if gate else 1) * width
+        self.register_buffer("split", torch.zeros(rows, cfg.dim, dtype=torch.bfloat16, device=device),
                              persistent=False)
         self.register_load_state_dict_post_hook(lambda module, keys: module.split_weights())
         self.norm = RMSNorm(head_dim, cfg.norm_eps, device)
@@ -196,27 +202,39 @@ class Compressor(nn.Module):
     def split_weights(self) -> None:
         """Refresh ``split`` from ``wkv`` and ``wgate`` (``load_state_dict`` and
         ``reset_parameters`` do; call it after changing the weights in place)."""
-        w = torch.cat([self.wkv.weight, self.wgate.weight])
+        w = torch.cat([self.wkv.weight] + ([self.wgate.weight] if self.wgate is not None else []))
         high = w.to(torch.bfloat16)
         self.split.copy_(torch.cat([high, (w - high.float()).to(torch.bfloat16)]))
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(wkv(x), wgate(x))``, each ``[T, width]`` fp32, of ``x [T, dim]`` from ``split``."""
+        """``(wkv(x), wgate(x))``, each ``[T, width]`` fp32, of ``x [T, dim]`` from ``split``
+        (gate logits of zero without ``wgate``)."""
         if x.is_cuda and x.dtype == torch.bfloat16:
-            both = torch.mm(x, self.split.t(), out_dtype=torch.float32)
+            parts = torch.mm(x, self.split.t(), out_dtype=torch.float32)
         else:  # CPU torch has no bf16 x bf16 -> fp32 product: the same sum in fp32
-            both = x.float() @ self.split.float().t()
+            parts = x.float() @ self.split.float().t()
+        half = parts.shape[1] // 2
+        both = parts[:, :half] + parts[:, half:]
         n = self.width
-        both = both[:, : 2 * n] + both[:, 2 * n:]
-        return both[:, :n], both[:, n:]
+        kv = both[:, :n]
+        return kv, (both[:, n:] if self.wgate is not None else torch.zeros_like(kv))
 
     def forward(self, x: Tensor, rows: StepRows, cos_table: Tensor, sin_table: Tensor):
         """One step of ``x [T, dim]``. Returns ``(entry [T, head_dim]`` in ``x``'s dtype,
-        ``closing [T]`` bool): ``entry[t]`` is meaningful where ``closing[t]``."""
+        ``closing [T]`` bool): ``entry[t]`` is meaningful where ``closing[t]``; the entry is
+        the :meth:`latent` with RoPE at its group's first position."""
+        latent, closing = self.latent(x, rows)
+        group_start = rows.pos - rows.pos % self.ratio
+        return _rope_last(latent, self.rope_dim, cos_table[group_start], sin_table[group_start]), closing
+
+    def latent(self, x: Tensor, rows: StepRows) -> tuple[Tensor, Tensor]:
+        """``(latent [T, head_dim]`` in ``x``'s dtype, before RoPE, ``closing [T]`` bool) of one
+        step (the compressor state is updated)."""
         r, d, P, T = self.ratio, self.head_dim, self.ring, x.shape[0]
         pos, row, valid, first, last = rows.pos, rows.row, rows.valid, rows.first, rows.last
         kv, score = self.project(x)
-        score = score + self.ape[pos % r]
+        if self.ape is not None:
+            score = score + self.ape[pos % r]
         stats: Stats = (score, torch.ones_like(score), kv)  # each [T, width]: one token's softmax stats
         t = torch.arange(T, device=x.device)
         group_start = pos - pos % r
@@ -247,9 +265,7 @@ class Compressor(nn.Module):
             at = (torch.where(keep, row, self.state.shape[1] - 1), pos % P)
             for buf, value in zip(self.state, stats):
                 buf.index_put_(at, value)
-        entry = self.norm((pooled[2] / pooled[1]).to(x.dtype))
-        entry = _rope_last(entry, self.rope_dim, cos_table[group_start], sin_table[group_start])
-        return entry, closing
+        return self.norm((pooled[2] / pooled[1]).to(x.dtype)), closing
 
 
 def hadamard(n: int, device=None) -> Tensor:
@@ -263,10 +279,12 @@ def hadamard(n: int, device=None) -> Tensor:
 class Indexer(nn.Module):
     """Top-k selection of compressed entries: ``score[t, c] = sum_h w_h(x_t) relu(<q_th, k_c>)``.
 
-    Index queries ``wq_b(qr) -> [T, Hi, 128]`` (RoPE on the last 64 dims), index keys from
-    the indexer's own :class:`Compressor`, head weights ``weights_proj(x) / sqrt(Di * Hi)``.
-    As in DeepSeek's reference, queries and keys are rotated by a 128 x 128 Hadamard matrix
-    (orthogonal: exact scores are unchanged; it spreads outliers before quantization). The
+    Index queries ``wq_b(qr) -> [T, Hi, 128]`` (RoPE on the last 64 dims), head weights
+    ``weights_proj(x) / sqrt(Di * Hi)``. Index keys: DeepSeek-V4's come from the indexer's
+    own :class:`Compressor`, and queries and keys are rotated by a 128 x 128 Hadamard matrix
+    (orthogonal: exact scores are unchanged; it spreads outliers before quantization);
+    DeepSeek-V4.1's are ``k_norm(wk(latent))`` of the layer compressor's latent before RoPE,
+    then RoPE at the group's first position, with no rotation (``cfg.arch``). The
     keys live in ``index_cache``, a paged index-key cache in ``cache.index_format`` addressed
     by the compressed cache's block table and written at its slots; the ids come from
     ``dsv41::indexer_topk`` over each token's ``n_entries`` closed entries (``-1`` padded),
@@ -286,21 +304,31 @@ class Indexer(nn.Module):
         self.index_format = cache.index_format
         self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=torch.bfloat16, device=device)
-        self.compressor = Compressor(cfg, ratio, self.head_dim, cfg.overlaps(ratio), cache, device)
+        if cfg.v41:  # keys from the layer compressor's latent
+            self.compressor = None
+            self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False, dtype=torch.bfloat16, device=device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, device)
+            self.register_buffer("rotation", None, persistent=False)
+        else:
+            self.compressor = Compressor(cfg, ratio, self.head_dim, cfg.overlaps(ratio), cache, device)
+            self.register_buffer("rotation", hadamard(self.head_dim, device).to(torch.bfloat16), persistent=False)
         keys = new_index_cache(cache.index_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
         self.register_buffer("index_cache", keys, persistent=False)
-        self.register_buffer("rotation", hadamard(self.head_dim, device).to(torch.bfloat16), persistent=False)
 
-    def forward(self, x, qr, rows: "StepRows", cos, sin, cos_table, sin_table, inp: StepInputs) -> Tensor:
+    def forward(self, x, qr, rows: "StepRows", cos, sin, cos_table, sin_table, inp: StepInputs,
+                latent: Optional[Tensor] = None) -> Tensor:
         """Top-k request-local entry ids ``[T, K]`` int32 (``-1`` padded), each token over
-        its own ``rows.n_entries``."""
+        its own ``rows.n_entries``; ``latent`` is the layer compressor's (V4.1's keys)."""
         T = x.shape[0]
-        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        q = _rope_last(q, self.rope_dim, cos, sin) @ self.rotation
-        key, _ = self.compressor(x, rows, cos_table, sin_table)
+        q = _rope_last(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.rope_dim, cos, sin)
+        if self.compressor is not None:
+            key, _ = self.compressor(x, rows, cos_table, sin_table)
+            q, key = q @ self.rotation, key.to(torch.bfloat16) @ self.rotation
+        else:
+            group_start = rows.pos - rows.pos % self.ratio
+            key = _rope_last(self.k_norm(self.wk(latent)), self.rope_dim, cos_table[group_start], sin_table[group_start])
         # written where the compressed entry of the same group is (inp.cmp_slots, -1 if none)
-        torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key.to(torch.bfloat16) @ self.rotation,
-                                         self.index_format)
+        torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key, self.index_format)
         weights = self.weights_proj(x).float() * (self.head_dim * self.n_heads) ** -0.5
         if self.dcp_group is not None:  # this rank's keys; every rank gets the same global ids
             return torch.ops.dsv41.dcp_indexer_topk(q.contiguous(), weights, self.index_cache, inp.cmp_block_table,
@@ -314,7 +342,8 @@ class DSV41Attention(nn.Module):
     """DeepSeek-V4 / V4.1 sparse-MLA attention layer; ``forward`` is one serving step.
 
     Args:
-        cfg: model dimensions (:data:`graphs.V41_FLASH`, :data:`graphs.TINY`, ...).
+        cfg: model dimensions and layer kinds (:data:`graphs.V41_FLASH`, :data:`graphs.TINY`,
+            :data:`graphs.TINY_V41`, ...; ``cfg.arch`` ``"v4"`` or ``"v4.1"``).
         cache: serving geometry (request rows, longest sequence, pages, kv_format).
         compress_ratio: 0 (SWA only) or one of ``cfg.compress_ratios``.
         device: where parameters, caches and state live.
@@ -379,7 +408,8 @@ class DSV41Attention(nn.Module):
         self.kv_norm = RMSNorm(D, cfg.norm_eps, device)
         self.wo_a = linear(H * D // G, G // N * cfg.o_lora_rank)
         self.wo_b = linear(G // N * cfg.o_lora_rank, cfg.dim)
-        self.compressor = Compressor(cfg, ratio, D, cfg.overlaps(ratio), cache, device) if ratio else None
+        self.compressor = Compressor(cfg, ratio, D, cfg.overlaps(ratio), cache, device, position_bias=not cfg.v41,
+                                     gate=not (cfg.v41 and ratio == 1)) if ratio else None
         self.indexer = Indexer(cfg, cache, ratio, device, self.dcp_group, linear) if cfg.has_indexer(ratio) else None
         self._register_load_state_dict_pre_hook(self._shard_full_weights)
 
@@ -513,7 +543,8 @@ class DSV41Attention(nn.Module):
 
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(T, self.local_heads, D).float()
-        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
+        if not self.cfg.v41:  # V4 normalises each head of q (no weight); V4.1 does not
+            q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
         q = _rope_last(q, rd, cos, sin).to(x.dtype)
         kv = _rope_last(self.kv_norm(self.wkv(x)), rd, cos, sin)
         torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
@@ -525,10 +556,12 @@ class DSV41Attention(nn.Module):
         cmp_lens: Optional[Tensor] = None
         if self.compress_ratio:
             ratio = self.compress_ratio
-            entry, _ = self.compressor(x, rows, self.rope_cos, self.rope_sin)
+            latent, _ = self.compressor.latent(x, rows)
+            group_start = pos - pos % ratio
+            entry = _rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
             torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.kv_format, self.kv_scale)
             if self.indexer is not None:
-                topk = self.indexer(x, qr, rows, cos, sin, self.rope_cos, self.rope_sin, inp)
+                topk = self.indexer(x, qr, rows, cos, sin, self.rope_cos, self.rope_sin, inp, latent)
             else:
                 ids = torch.arange(self.topk, device=x.device, dtype=torch.int32)
                 topk = torch.where(ids < rows.n_entries.unsqueeze(1), ids, -1)

@@ -24,6 +24,7 @@ from compile_ops.linear import layout_of_block
 HEAD_DIM = 512
 ROPE_DIM = 64
 _REQUIRED = object()
+ARCHS = ("v4", "v4.1")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,14 @@ class AttentionConfig:
     ``original_seq_len``, ``beta_fast``, ``beta_slow``; ``original_seq_len = 0``: no YaRN).
     ``weight_block``: the block of an FP8 checkpoint's weights, 128 (fp32 scales, V4) or 32
     (ue8m0 scales, V4.1); used by layers built with ``weights="fp8"``.
+
+    ``arch``: the layer kinds. ``"v4"``: DeepSeek-V4's (q normalised per head; compressors
+    with a learned position bias ``ape``; an indexer with its own compressor and a Hadamard
+    rotation). ``"v4.1"``: DeepSeek-V4.1's (no per-head q norm; no ``ape``; the ratio-1
+    compressor without a gate, ``norm(wkv(x))`` per token; index keys ``k_norm(wk(latent))``
+    of the compressor's latent before RoPE, no rotation). The layers that share another's
+    cache or top-k, and the two-level candidates, need the stack (``graphs.plan``), which
+    is not built yet.
     """
 
     name: str
@@ -65,6 +74,7 @@ class AttentionConfig:
     beta_fast: int = 32
     beta_slow: int = 1
     weight_block: int = 128
+    arch: str = "v4"
 
     def __post_init__(self) -> None:
         if self.head_dim != HEAD_DIM or self.rope_head_dim != ROPE_DIM:
@@ -75,6 +85,8 @@ class AttentionConfig:
         if self.n_heads % self.o_groups:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by o_groups ({self.o_groups})")
         layout_of_block(self.weight_block)
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.index_head_dim < self.rope_head_dim:
             raise ValueError(
                 f"index_head_dim ({self.index_head_dim}) must be >= rope_head_dim ({self.rope_head_dim})"
@@ -137,10 +149,17 @@ class AttentionConfig:
         else:
             fields.update(original_seq_len=0)
         ratios = tuple(sorted(set(layer_ratios(c)) | {0}))
+        v41 = any(c.get(k) is not None for k in ("kv_source_layer_ids", "kv_source_layers"))
+        fields.update(arch="v4.1" if v41 else "v4")
         return cls(name=name or c.get("_name_or_path") or c.get("model_type") or "checkpoint",
                    compress_ratios=ratios, overlap_ratios=tuple(r for r in ratios if r == 4),
                    dense_ratios=tuple(r for r in ratios if r == 128),
                    weight_block=layout_of_block(block).block, **fields)
+
+    @property
+    def v41(self) -> bool:
+        """DeepSeek-V4.1's layer kinds (``arch == "v4.1"``)."""
+        return self.arch == "v4.1"
 
     def check_ratio(self, ratio: int) -> int:
         if ratio not in self.compress_ratios:
@@ -304,4 +323,8 @@ TINY = AttentionConfig(
     window_size=8, index_n_heads=2, index_head_dim=128, index_topk=8,
     compress_ratios=(0, 1, 2, 4, 128), overlap_ratios=(4,), dense_ratios=(128,),
 )
-PRESETS = {c.name: c for c in (V41_FLASH, V4_FLASH, V4_PRO, TINY)}
+# TINY with DeepSeek-V4.1's layer kinds (ratios 1 and 2, eps 1e-20): what the CPU tests
+# and `python -m graphs --preset tiny-v4.1` check V4.1's kinds with
+TINY_V41 = replace(TINY, name="tiny-v4.1", arch="v4.1", compress_ratios=(0, 1, 2), overlap_ratios=(), dense_ratios=(),
+                   norm_eps=1e-20)
+PRESETS = {c.name: c for c in (V41_FLASH, V4_FLASH, V4_PRO, TINY, TINY_V41)}

@@ -24,8 +24,10 @@ def _compressor_state(cfg: AttentionConfig, cache: CacheConfig, ratio: int, head
 
 
 def _compressor_split(cfg: AttentionConfig, ratio: int, head_dim: int) -> int:
-    """``split``: ``wkv`` and ``wgate`` as bf16 high and low parts, ``4 * width * dim`` bf16."""
-    return 4 * (2 if cfg.overlaps(ratio) else 1) * head_dim * cfg.dim * 2
+    """``split``: ``wkv`` and ``wgate`` as bf16 high and low parts, ``4 * width * dim`` bf16
+    (V4.1's ratio 1 has no ``wgate``: ``2 * width * dim``)."""
+    projections = 1 if cfg.v41 and ratio == 1 else 2
+    return 2 * projections * (2 if cfg.overlaps(ratio) else 1) * head_dim * cfg.dim * 2
 
 
 def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="cpu") -> dict[str, int]:
@@ -52,10 +54,11 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="c
         topk = cache.max_entries(ratio)
         if cfg.has_indexer(ratio):
             out["index_cache"] = entries * get_index_format(cache.index_format).bytes_per_token
-            out["compressor_state"] += _compressor_state(cfg, cache, ratio, INDEX_DIM)
-            out["compressor_split"] += _compressor_split(cfg, ratio, INDEX_DIM)
+            if not cfg.v41:  # V4's indexer has a compressor of its own; V4.1's reads the latent
+                out["compressor_state"] += _compressor_state(cfg, cache, ratio, INDEX_DIM)
+                out["compressor_split"] += _compressor_split(cfg, ratio, INDEX_DIM)
             topk = min(cfg.index_topk, topk)
-    rotation = INDEX_DIM * INDEX_DIM * 2 if ratio and cfg.has_indexer(ratio) else 0
+    rotation = INDEX_DIM * INDEX_DIM * 2 if ratio and cfg.has_indexer(ratio) and not cfg.v41 else 0
     rope = 2 * cache.max_seq_len * (cfg.rope_head_dim // 2) * FP32
     out["step_scratch"] = cache.max_tokens * topk * 4 + rope + rotation + workspace_bytes(device)
     out["total"] = sum(out.values())

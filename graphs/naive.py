@@ -66,14 +66,18 @@ def _stored(rows: Tensor, layer: DSV41Attention) -> Tensor:
     return decode_rows(encode_rows(rows, c.kv_format, c.kv_scale), c.kv_format, c.kv_scale)
 
 
-def naive_entries(compressor, layer: DSV41Attention, xs: Tensor) -> Tensor:
+def naive_entries(compressor, layer: DSV41Attention, xs: Tensor, rope: bool = True) -> Tensor:
     """Compressed entries ``[S // ratio, head_dim]`` of a request whose hidden states at
-    positions ``0 .. S-1`` are ``xs [S, dim]``."""
+    positions ``0 .. S-1`` are ``xs [S, dim]`` (``rope=False``: the latents, before RoPE).
+    A compressor without ``wgate`` (V4.1's ratio 1) weighs its tokens equally, one without
+    ``ape`` (V4.1) adds no position bias."""
     r, d = compressor.ratio, compressor.head_dim
     groups = xs.shape[0] // r
     pos = torch.arange(groups * r, device=xs.device)
     kv = _linear(xs[: groups * r], compressor.wkv)
-    score = _linear(xs[: groups * r], compressor.wgate) + compressor.ape.float()[pos % r]
+    score = _linear(xs[: groups * r], compressor.wgate) if compressor.wgate is not None else torch.zeros_like(kv)
+    if compressor.ape is not None:
+        score = score + compressor.ape.float()[pos % r]
     entries = []
     for g in range(groups):
         own = slice(g * r, (g + 1) * r)
@@ -87,7 +91,7 @@ def naive_entries(compressor, layer: DSV41Attention, xs: Tensor) -> Tensor:
     if not entries:
         return xs.new_zeros(0, d, dtype=torch.float32)
     out = _rms(torch.stack(entries), compressor.norm.weight, layer.cfg.norm_eps)
-    return _rope(out, torch.arange(groups, device=xs.device) * r, layer)
+    return _rope(out, torch.arange(groups, device=xs.device) * r, layer) if rope else out
 
 
 def naive_index_scores(layer: DSV41Attention, xs: Tensor, magnitude: bool = False) -> Tensor:
@@ -100,7 +104,12 @@ def naive_index_scores(layer: DSV41Attention, xs: Tensor, magnitude: bool = Fals
     pos = torch.arange(S, device=xs.device)
     qr = _rms(_linear(xs, layer.wq_a), layer.q_norm.weight, cfg.norm_eps)
     q = _rope(_linear(qr, idx.wq_b).view(S, idx.n_heads, idx.head_dim), pos, layer)
-    keys = naive_entries(idx.compressor, layer, xs)
+    if idx.compressor is not None:  # V4: the indexer's own compressor
+        keys = naive_entries(idx.compressor, layer, xs)
+    else:  # V4.1: k_norm(wk(latent)) of the layer's latents, RoPE at each group's first position
+        latent = naive_entries(layer.compressor, layer, xs, rope=False)
+        keys = _rms(_linear(latent, idx.wk), idx.k_norm.weight, cfg.norm_eps)
+        keys = _rope(keys, torch.arange(keys.shape[0], device=xs.device) * layer.compress_ratio, layer)
     weights = _linear(xs, idx.weights_proj) * (idx.head_dim * idx.n_heads) ** -0.5
     if magnitude:
         score = (q.norm(dim=-1).unsqueeze(-1) * keys.norm(dim=-1) * weights.abs().unsqueeze(-1)).sum(dim=1)
@@ -124,7 +133,9 @@ def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[S
     S, H, D = xs.shape[0], layer.n_heads, layer.head_dim
     pos = torch.arange(S, device=xs.device)
     qr = _rms(_linear(xs, layer.wq_a), layer.q_norm.weight, cfg.norm_eps)
-    q = _rms(_linear(qr, layer.wq_b).view(S, H, D), None, cfg.norm_eps)
+    q = _linear(qr, layer.wq_b).view(S, H, D)
+    if not cfg.v41:  # V4 normalises each head of q; V4.1 does not
+        q = _rms(q, None, cfg.norm_eps)
     q = _rope(q, pos, layer)
     kv = _stored(_rope(_rms(_linear(xs, layer.wkv), layer.kv_norm.weight, cfg.norm_eps), pos, layer), layer)
     entries = _stored(naive_entries(layer.compressor, layer, xs), layer) if r else None

@@ -23,7 +23,7 @@ import torch
 
 from compile_ops.formats import read_kv
 from compile_ops.indexer.cache import read_index_keys
-from graphs import TINY, CacheConfig, DSV41Attention, PageAllocator, StepMetadata, StepRunner
+from graphs import TINY, TINY_V41, CacheConfig, DSV41Attention, PageAllocator, StepMetadata, StepRunner
 from graphs.naive import oracle_verdict
 from graphs.schedule import Workload, hidden_states, mixed_workload, run_workload, staggered
 
@@ -372,17 +372,18 @@ def test_compiled_step_matches_eager_over_a_mixed_workload():
     check_against_oracle(layer, xs, got, topk)
 
 
-@pytest.mark.parametrize("ratio", [0, 1, 2, 4, 128])
+@pytest.mark.parametrize("cfg, ratio", [(TINY, r) for r in (0, 1, 2, 4, 128)] + [(TINY_V41, r) for r in (1, 2)],
+                         ids=[f"v4-{r}" for r in (0, 1, 2, 4, 128)] + ["v41-1", "v41-2"])
 @pytest.mark.parametrize("kv_format,index_format", [("bf16", "fp8"), ("fp8_dsv41", "bf16")])
-def test_buffer_bytes_formula_equals_the_layers_buffers(ratio, kv_format, index_format):
+def test_buffer_bytes_formula_equals_the_layers_buffers(cfg, ratio, kv_format, index_format):
     """``graphs.buffer_bytes`` (the documented memory formula) predicts every byte the layer
-    allocates for buffers, per group and in total."""
+    allocates for buffers, per group and in total (V4.1's indexer: no compressor, no rotation)."""
     from graphs import buffer_bytes
 
     cache = CacheConfig(4, 4, 256, PAGE, kv_format=kv_format, index_format=index_format, cmp_pages=7)
-    layer = DSV41Attention(TINY, cache, ratio)
+    layer = DSV41Attention(cfg, cache, ratio)
     got = {name: b.numel() * b.element_size() for name, b in layer.named_buffers()}
-    want = buffer_bytes(TINY, cache, ratio)
+    want = buffer_bytes(cfg, cache, ratio)
     assert want["total"] == sum(got.values())
     assert want["swa_cache"] == got["swa_cache"]
     if ratio:
