@@ -94,3 +94,38 @@ def test_a_v41_config_is_read_as_v41():
     cfg = AttentionConfig.from_hf_config(config)
     assert cfg.arch == "v4.1" and cfg.compress_ratios == (0, 1, 2) and cfg.norm_eps == 1e-20
     assert AttentionConfig.from_hf_config({k: v for k, v in config.items() if "source" not in k}).arch == "v4"
+
+
+def test_a_v41_fp8_checkpoint_loads_its_source_layers_strictly(tmp_path):
+    """A synthetic V4.1 checkpoint (DeepSeek's names ``layers.N.attn.*``, FP8 in 32 x 32
+    blocks with ue8m0 scales) loads its kv + index source layers of both ratios; a layer
+    that reads another's cache is refused."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from graphs.checkpoint import layer_prefix
+    from graphs.fp8 import to_fp8_state_dict
+
+    config = {"hidden_size": 64, "num_attention_heads": 4, "q_lora_rank": 32, "o_lora_rank": 128, "o_groups": 2,
+              "sliding_window": 8, "index_n_heads": 2, "index_head_dim": 128, "index_topk": 8, "rms_norm_eps": 1e-20,
+              "compress_ratios": [0, 2, 2, 1], "kv_source_layer_ids": [1, 3], "index_source_layer_ids": [1, 3],
+              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32]}}
+    cfg = AttentionConfig.from_hf_config(config)
+    cache = CacheConfig(2, 4, 64, 4)
+    tensors, sources = {}, {}
+    for layer_id, ratio in ((1, 2), (3, 1)):
+        src = DSV41Attention(cfg, cache, ratio, seed=layer_id)
+        sd = to_fp8_state_dict(src.state_dict(), "deepseek", 32)
+        tensors.update({layer_prefix(layer_id, "deepseek") + k: v.contiguous() for k, v in sd.items()})
+        sources[layer_id] = sd
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for layer_id, want in sources.items():
+        layer = DSV41Attention.from_checkpoint(tmp_path, layer_id, cache)
+        assert layer.cfg.arch == "v4.1" and layer.weights == "fp8" and layer.wq_a.scale.dtype == torch.float8_e8m0fnu
+        got = layer.state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k].float(), want[k].float()) for k in want)
+    with pytest.raises(ValueError, match="layer 2 shares layer 1's compressed cache"):
+        DSV41Attention.from_checkpoint(tmp_path, 2, cache)
