@@ -455,7 +455,8 @@ class DSV41Attention(nn.Module):
         if role.ratio and not (role.compresses and (role.index_source is None or role.indexes)):
             raise ValueError(f"layer {layer_id} shares layer {role.kv_source}'s compressed cache and layer "
                              f"{role.index_source}'s top-k (a DeepSeek-V4.1 reader, graphs.plan): DSV41Attention "
-                             f"runs its own compressor and indexer, DeepSeek-V4's layer")
+                             f"computes a layer that owns its cache and top-k; the stack that shares them is not "
+                             f"built yet")
         layer = cls(AttentionConfig.from_hf_config(config), cache, role.ratio, device=device,
                     dcp_group=dcp_group, weights=checkpoint_weights(config))
         load_attention_weights(layer, folder, layer_id)
