@@ -83,10 +83,8 @@ class _SafetensorsFolder(Mapping):
     """The tensors of a folder of ``*.safetensors`` files, by name, opened on access."""
 
     def __init__(self, folder: Path) -> None:
-        try:
-            from safetensors import safe_open
-        except ImportError as e:  # pragma: no cover - safetensors is a dependency
-            raise ImportError("reading a checkpoint folder needs safetensors (pip install safetensors)") from e
+        from safetensors import safe_open
+
         self._open = safe_open
         files = sorted(folder.glob("*.safetensors"))
         if not files:
