@@ -232,3 +232,64 @@ def test_triton_limits_send_auto_to_the_reference():
         assert backends.resolve("indexer", cuda, None, too_many)[0] == "reference"
         with compile_ops.use_backends(indexer="triton"), pytest.raises(ValueError, match="k <= 4096"):
             backends.resolve("indexer", cuda, None, too_many)
+
+
+def oracle_candidates(args, n_blocks, block, index_format):
+    """``indexer_candidates`` in float64 from every visible entry's score: blocks by the max
+    of their entries, the newest visible entry's block first, ties by the lower block."""
+    every, scores = oracle.indexer_topk(*args, 10**4, index_format)
+    _, _, cache, table, rows, n = args
+    L = table.shape[1] * cache.shape[1]
+    out = []
+    for t in range(len(every)):
+        best = {}
+        for c, s in zip(every[t], scores[t]):
+            best[c // block] = max(best.get(c // block, float("-inf")), s)
+        if 0 <= int(rows[t]) < table.shape[0] and int(n[t]) > 0:
+            best[(min(int(n[t]), L) - 1) // block] = float("inf")
+        ranked = sorted(best, key=lambda b: (-best[b], b))[:n_blocks]
+        out.append(ranked + [-1] * (n_blocks - len(ranked)))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("index_format", FORMATS)
+@settings(deadline=None, max_examples=examples(0.3))
+@given(T=st.integers(1, 4), n_blocks=st.integers(1, 6), block=st.sampled_from([1, 3, 8]), page_size=st.sampled_from([4, 16]),
+       B=st.integers(1, 3), holes=st.integers(0, 2), seed=st.integers(0, 2**16))
+def test_candidates_equal_a_brute_force_block_scorer(backend, index_format, T, n_blocks, block, page_size, B, holes, seed):
+    """DeepSeek-V4.1's first level: each token's best blocks by the max score of their visible
+    entries, its newest block always kept, exactly (integer data); then the second level, the
+    top-k inside them, equals the oracle's top-k over only those blocks' entries."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    args = make_problem(index_format, T, 4, 3, B, page_size, seed=seed, holes=holes)
+    want = oracle_candidates(args, n_blocks, block, index_format)
+    every, _ = oracle.indexer_topk(*args, 10**4, index_format)
+    with compile_ops.use_backends(indexer=backend):
+        if backend == "triton":  # interpreted kernels, called past the op's device rule
+            from compile_ops.indexer import triton as kernels
+
+            fmt = ops._check_topk(*args, n_blocks, index_format)
+            got, _ = kernels.indexer_candidates_triton(ops._normalized(*args, n_blocks, fmt, candidate_block=block,
+                                                                       pin_from=args[5]))
+            inside, _ = kernels.indexer_topk_triton(ops._normalized(*args, 5, fmt, candidates=got, candidate_block=block))
+        else:
+            got = compile_ops.indexer_candidates(*args, n_blocks, block, index_format)
+            inside = compile_ops.indexer_topk(*args, 5, index_format, got, block)
+    assert got.tolist() == want
+    for t in range(T):
+        kept = [c for c in every[t] if c // block in want[t]][:5]
+        assert inside[t].tolist() == kept + [-1] * (5 - len(kept))
+
+
+def test_candidates_opcheck_and_bad_input():
+    args = make_problem("fp8", 3, 4, 2, 2, 4, seed=1, holes=1)
+    for op, extra in ((torch.ops.dsv41.indexer_candidates.default, (3, 2, "fp8")),
+                      (torch.ops.dsv41.indexer_topk.default, (5, "fp8", torch.tensor([[0, -1]] * 3, dtype=i32), 2))):
+        result = torch.library.opcheck(op, (*args, *extra))
+        assert all(v == "SUCCESS" for v in result.values()), result
+    with pytest.raises(ValueError, match="candidate_block"):
+        compile_ops.indexer_candidates(*args, 3, 0, "fp8")
+    with pytest.raises(ValueError, match="candidates"):
+        compile_ops.indexer_topk(*args, 5, "fp8", torch.zeros(2, 1, dtype=i32), 2)

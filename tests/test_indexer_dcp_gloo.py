@@ -1,5 +1,6 @@
-"""``dcp_indexer_topk`` over 2 and 4 gloo processes equals ``indexer_topk`` at DCP=1, id for
-id: each rank holds its interleaved share of the index keys in its own pages."""
+"""``dcp_indexer_topk`` and ``dcp_indexer_candidates`` over 2 and 4 gloo processes equal
+``indexer_topk`` / ``indexer_candidates`` at DCP=1, id for id: each rank holds its interleaved
+share of the index keys in its own pages (candidate blocks span the ranks' entries)."""
 
 import os
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.distributed
 
 i32 = torch.int32
 T, HI, R, B, PAGE, K = 6, 8, 3, 6, 4, 10
+NB, CB = 3, 3  # candidate blocks per token, entries per block (a block spans ranks at I=1)
 
 
 def shard(cache, table, index_format, rank, world, interleave):
@@ -46,6 +48,14 @@ def worker(rank, world, store_path, index_format, interleave):
             got = compile_ops.dcp_indexer_topk(q, weights, local_cache, local_table, rows, n, K, index_format,
                                                group, interleave)
             assert torch.equal(got, want), f"rank {rank} seed {seed}:\n{got}\n{want}"
+            blocks = compile_ops.indexer_candidates(q, weights, cache, table, rows, n, NB, CB, index_format)
+            got = compile_ops.dcp_indexer_candidates(q, weights, local_cache, local_table, rows, n, NB, CB,
+                                                     index_format, group, interleave)
+            assert torch.equal(got, blocks), f"rank {rank} seed {seed} candidates:\n{got}\n{blocks}"
+            want = compile_ops.indexer_topk(q, weights, cache, table, rows, n, K, index_format, blocks, CB)
+            got = compile_ops.dcp_indexer_topk(q, weights, local_cache, local_table, rows, n, K, index_format,
+                                               group, interleave, blocks, CB)
+            assert torch.equal(got, want), f"rank {rank} seed {seed} inside candidates:\n{got}\n{want}"
     os._exit(0)  # every check passed (helpers.gloo_group says why exit so)
 
 

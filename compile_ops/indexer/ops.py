@@ -1,4 +1,4 @@
-"""Indexer ops: ``write_index_keys``, ``indexer_topk``, ``dcp_indexer_topk``.
+"""Indexer ops: ``write_index_keys``, ``indexer_topk``, ``indexer_candidates`` and their DCP forms.
 
 Shape legend: ``T`` tokens, ``Hi`` indexer heads, ``R`` requests, ``B`` pages per block-table
 row, ``L = B * page_size`` entries a row can address, ``k`` ids per token. An entry is a
@@ -7,6 +7,8 @@ request-local compressed id; ``-1`` marks none. Outputs' shapes come from input 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -14,8 +16,8 @@ from compile_ops import backends
 from compile_ops._checks import check_dim, check_int, check_tensor
 from compile_ops._groups import group_rank, group_size
 from compile_ops.indexer.cache import INDEX_DIM, check_index_cache, encode_index_rows, quantize_e4m3
-from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
-from compile_ops.indexer.reference import indexer_topk_reference, topk_of_scores
+from compile_ops.indexer.inputs import IndexerArgs, global_ids, local_entries, triton_args_unsupported
+from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference, topk_of_scores
 
 
 def _check_write(cache, slots, keys, index_format):
@@ -59,49 +61,74 @@ def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k
     return fmt
 
 
-def _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt) -> IndexerArgs:
-    """The call as backends take it: queries in the product dtype, invalid rows' counts 0."""
+def _check_candidates(T, candidates, candidate_block, device):
+    check_int("candidate_block", candidate_block, 1)
+    if candidates is not None:
+        check_tensor("candidates", candidates, torch.int32, 2, device)
+        check_dim("candidates", candidates, 0, T, "q.shape[0], the token count T")
+
+
+def _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, *, candidates=None,
+                candidate_block=1, pin_from: Optional[Tensor] = None, shard=(0, 1, 1)) -> IndexerArgs:
+    """The call as backends take it: queries in the product dtype, invalid rows' counts 0;
+    ``pin_from``: the global counts whose newest visible block :func:`indexer_candidates` keeps."""
     R, L = block_table.shape[0], block_table.shape[1] * index_cache.shape[1]
-    ok = (token_to_req >= 0) & (token_to_req < R) & (n_entries > 0)
+    valid = (token_to_req >= 0) & (token_to_req < R)
+    ok = valid & (n_entries > 0)
     rows = torch.where(ok, token_to_req, 0).long()
     n = torch.where(ok, n_entries.clamp(max=L), 0).to(torch.int32)
+    pin = None
+    if pin_from is not None:  # the newest entry the tables can address, past their end the last
+        newest = pin_from.clamp(max=L * shard[1]) - 1
+        pin = torch.where(valid & (newest >= 0), newest // candidate_block, -1)
     if fmt.fp8:  # e4m3 products: q gets the keys' quantizer, its scale goes to the weights
         q, q_scale = quantize_e4m3(q)
         weights = weights * q_scale
-    return IndexerArgs(q.contiguous(), weights.contiguous(), index_cache, fmt, block_table, rows, n, int(k))
+    return IndexerArgs(q.contiguous(), weights.contiguous(), index_cache, fmt, block_table, rows, n, int(k),
+                       candidates, candidate_block, pin, shard)
 
 
-def _topk(args: IndexerArgs) -> tuple[Tensor, Tensor]:
+def _run(op: str, args: IndexerArgs) -> tuple[Tensor, Tensor]:
     T, k = args.q.shape[0], args.k
     if T == 0 or args.block_table.shape[0] * args.block_table.shape[1] * args.cache.shape[1] == 0:
         return args.q.new_full((T, k), -1, dtype=torch.int32), args.q.new_full((T, k), float("-inf"), dtype=torch.float32)
-    return backends.implementation("indexer", "indexer_topk", args.q.device, None, args)(args)
+    return backends.implementation("indexer", op, args.q.device, None, args)(args)
 
 
 @torch.library.custom_op("dsv41::indexer_topk", mutates_args=())
 def indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
-                 n_entries: Tensor, k: int, index_format: str = "fp8") -> Tensor:
+                 n_entries: Tensor, k: int, index_format: str = "fp8", candidates: Optional[Tensor] = None,
+                 candidate_block: int = 1) -> Tensor:
     fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
-    return _topk(_normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt))[0]
+    _check_candidates(q.shape[0], candidates, candidate_block, q.device)
+    args = _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt,
+                       candidates=candidates, candidate_block=candidate_block)
+    return _run("indexer_topk", args)[0]
 
 
 @indexer_topk.register_fake
-def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format="fp8"):
+def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format="fp8", candidates=None,
+      candidate_block=1):
     _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
+    _check_candidates(q.shape[0], candidates, candidate_block, q.device)
     return q.new_empty((q.shape[0], k), dtype=torch.int32)
 
 
-def local_entries(n: Tensor, rank: int, world: int, interleave: int) -> Tensor:
-    """How many of global entries ``0 .. n - 1`` rank ``rank`` of ``world`` holds, when runs of
-    ``interleave`` consecutive ids go to the ranks in turn (``dcp_topk_to_slots``'s rule)."""
-    span = world * interleave
-    return (n // span) * interleave + (n % span - rank * interleave).clamp(0, interleave)
+@torch.library.custom_op("dsv41::indexer_candidates", mutates_args=())
+def indexer_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
+                       n_entries: Tensor, n_blocks: int, block: int, index_format: str = "fp8") -> Tensor:
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format)
+    _check_candidates(q.shape[0], None, block, q.device)
+    args = _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, fmt,
+                       candidate_block=block, pin_from=n_entries)
+    return _run("indexer_candidates", args)[0]
 
 
-def global_ids(local: Tensor, rank: int, world: int, interleave: int) -> Tensor:
-    """Global ids of rank ``rank``'s local ids (``-1`` stays ``-1``); increasing in ``local``."""
-    glob = ((local // interleave) * world + rank) * interleave + local % interleave
-    return torch.where(local >= 0, glob, -1)
+@indexer_candidates.register_fake
+def _(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, block, index_format="fp8"):
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format)
+    _check_candidates(q.shape[0], None, block, q.device)
+    return q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
 
 
 def _check_dcp(group_name, interleave):
@@ -109,35 +136,82 @@ def _check_dcp(group_name, interleave):
     return group_size(group_name)
 
 
+def _dcp_merge(ids: Tensor, scores: Tensor, k: int, group_name: str, world: int, distinct: bool = False) -> Tensor:
+    """Every rank's ``(global id, score) [T, k]`` candidates in one all-gather, then the same
+    top-``k`` merge on each rank; ``distinct``: an id offered by several ranks (a block whose
+    entries they share) counts once, at its highest score."""
+    mine = torch.stack([ids, scores.view(torch.int32)], -1)
+    c10d = torch.ops._c10d_functional
+    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(mine.contiguous(), world, group_name))
+    T = ids.shape[0]
+    every = gathered.view(world, T, k, 2).permute(1, 0, 2, 3).reshape(T, world * k, 2)
+    ids, scores = every[..., 0], every[..., 1].contiguous().view(torch.float32)
+    if distinct:  # by score descending, then id: the first of each id is its best
+        scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+        ids = ids.gather(1, order)
+        ids, by_id = torch.sort(ids, dim=1, stable=True)
+        scores = scores.gather(1, by_id)
+        repeat = torch.zeros_like(ids, dtype=torch.bool)
+        repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
+        scores = scores.masked_fill(repeat | (ids < 0), float("-inf"))
+    return topk_of_scores(scores, k, ids=ids)[0]
+
+
 @torch.library.custom_op("dsv41::dcp_indexer_topk", mutates_args=())
 def dcp_indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
-                     n_entries: Tensor, k: int, index_format: str, group_name: str, interleave: int) -> Tensor:
+                     n_entries: Tensor, k: int, index_format: str, group_name: str, interleave: int,
+                     candidates: Optional[Tensor] = None, candidate_block: int = 1) -> Tensor:
     fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
+    _check_candidates(q.shape[0], candidates, candidate_block, q.device)
     world = _check_dcp(group_name, interleave)
     rank = group_rank(group_name)
     local_n = local_entries(n_entries.clamp_min(0), rank, world, interleave)
-    args = _normalized(q, weights, index_cache, block_table, token_to_req, local_n, k, fmt)
-    ids, scores = _topk(args)
-    # every rank's candidates (global id, score bits) in one gather; then the same merge on each
-    mine = torch.stack([global_ids(ids, rank, world, interleave), scores.view(torch.int32)], -1)
-    c10d = torch.ops._c10d_functional
-    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(mine.contiguous(), world, group_name))
-    T = q.shape[0]
-    every = gathered.view(world, T, k, 2).permute(1, 0, 2, 3).reshape(T, world * k, 2)
-    return topk_of_scores(every[..., 1].contiguous().view(torch.float32), k, ids=every[..., 0])[0]
+    args = _normalized(q, weights, index_cache, block_table, token_to_req, local_n, k, fmt, candidates=candidates,
+                       candidate_block=candidate_block, shard=(rank, world, interleave))
+    ids, scores = _run("indexer_topk", args)
+    return _dcp_merge(global_ids(ids, rank, world, interleave), scores, k, group_name, world)
 
 
 @dcp_indexer_topk.register_fake
-def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, group_name, interleave):
+def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, group_name, interleave,
+      candidates=None, candidate_block=1):
     _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
+    _check_candidates(q.shape[0], candidates, candidate_block, q.device)
     _check_dcp(group_name, interleave)
     return q.new_empty((q.shape[0], k), dtype=torch.int32)
 
 
+@torch.library.custom_op("dsv41::dcp_indexer_candidates", mutates_args=())
+def dcp_indexer_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor,
+                           token_to_req: Tensor, n_entries: Tensor, n_blocks: int, block: int, index_format: str,
+                           group_name: str, interleave: int) -> Tensor:
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format)
+    _check_candidates(q.shape[0], None, block, q.device)
+    world = _check_dcp(group_name, interleave)
+    rank = group_rank(group_name)
+    local_n = local_entries(n_entries.clamp_min(0), rank, world, interleave)
+    args = _normalized(q, weights, index_cache, block_table, token_to_req, local_n, n_blocks, fmt,
+                       candidate_block=block, pin_from=n_entries, shard=(rank, world, interleave))
+    blocks, scores = _run("indexer_candidates", args)
+    return _dcp_merge(blocks, scores, n_blocks, group_name, world, distinct=True)
+
+
+@dcp_indexer_candidates.register_fake
+def _(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, block, index_format, group_name,
+      interleave):
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format)
+    _check_candidates(q.shape[0], None, block, q.device)
+    _check_dcp(group_name, interleave)
+    return q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
+
+
 backends.register_backend("indexer", "triton", backends.cuda_with_triton,
-                          {"indexer_topk": backends.imported("compile_ops.indexer.triton", "indexer_topk_triton")},
+                          {"indexer_topk": backends.imported("compile_ops.indexer.triton", "indexer_topk_triton"),
+                           "indexer_candidates": backends.imported("compile_ops.indexer.triton",
+                                                                   "indexer_candidates_triton")},
                           limits=triton_args_unsupported)
-backends.register_backend("indexer", "reference", backends.any_device, {"indexer_topk": indexer_topk_reference})
+backends.register_backend("indexer", "reference", backends.any_device,
+                          {"indexer_topk": indexer_topk_reference, "indexer_candidates": indexer_candidates_reference})
 
 write_index_keys.__doc__ = """Quantize ``keys [N, 128]`` and write row ``i`` to slot ``slots[i]`` of an index-key cache.
 
@@ -182,6 +256,11 @@ Args:
     n_entries: ``[T]`` int32 entries token ``t`` may see (its own causal count).
     k: ids per token (``>= 1``).
     index_format: ``"fp8"`` or ``"bf16"``.
+    candidates: ``[T, C]`` int32 block ids (``-1`` = none), e.g. :func:`indexer_candidates`'
+        output, or ``None``: token ``t`` picks only among entries ``c`` with ``c //
+        candidate_block`` in ``candidates[t]`` (DeepSeek-V4.1's two-level selection: the
+        index layers after the candidate source pick inside its candidate blocks).
+    candidate_block: entries per candidate block (``>= 1``).
 
 Returns:
     ``ids [T, k]`` int32 request-local entry ids.
@@ -199,6 +278,38 @@ Example::
     [[1, 3, 2]]
 """
 
+indexer_candidates.__doc__ = """The ``n_blocks`` best blocks of ``block`` consecutive entries for each token.
+
+The first level of DeepSeek-V4.1's two-level selection (its candidate source layer): the
+scores of :func:`indexer_topk` over each token's ``n_entries`` visible entries, padded with
+``-inf`` to whole blocks; a block scores the **max** of its entries; the block of the
+token's newest visible entry, ``(n_entries[t] - 1) // block``, scores ``+inf`` (always
+kept); the ``n_blocks`` highest come back in descending score, equal scores by the lower
+block, then ``-1`` for blocks with no visible entry. Pass the result to
+:func:`indexer_topk` as ``candidates`` with ``candidate_block = block``.
+
+Args:
+    q, weights, index_cache, block_table, token_to_req, n_entries, index_format: as
+        :func:`indexer_topk`.
+    n_blocks: blocks per token (``>= 1``; DeepSeek-V4.1-Flash: 2048).
+    block: entries per block (``>= 1``; DeepSeek-V4.1-Flash: 8).
+
+Returns:
+    ``blocks [T, n_blocks]`` int32 request-local block ids.
+
+Example::
+
+    >>> import torch, compile_ops
+    >>> from compile_ops.indexer.cache import new_index_cache
+    >>> cache = new_index_cache("bf16", num_pages=1, page_size=8)
+    >>> keys = torch.zeros(8, 128); keys[:, 0] = torch.tensor([5.0, 0, 1, 1, 0, 2, 0, 0])
+    >>> compile_ops.write_index_keys(cache, torch.arange(8), keys, "bf16")
+    >>> q = torch.zeros(1, 1, 128, dtype=torch.bfloat16); q[..., 0] = 1
+    >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+    >>> compile_ops.indexer_candidates(q, torch.ones(1, 1), cache, i32(0).view(1, 1), i32(0), i32(7), 2, 2, "bf16").tolist()
+    [[3, 0]]
+"""
+
 dcp_indexer_topk.__doc__ = """:func:`indexer_topk` over a DCP group whose entries are sharded by ``interleave``.
 
 Global entry ``c`` lives on rank ``(c // interleave) % world`` as local entry
@@ -211,11 +322,21 @@ global ids, equal to :func:`indexer_topk` over the unsharded cache. A collective
 calls it with the same shapes, ``k`` and ``interleave``.
 
 Args:
-    q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format: as
-        :func:`indexer_topk`, with this rank's cache and table and global ``n_entries``.
+    q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
+        candidates, candidate_block: as :func:`indexer_topk`, with this rank's cache and
+        table, global ``n_entries`` and global block ids.
     group_name: the c10d group's name (``group.group_name``).
     interleave: consecutive ids per rank before the next (``>= 1``).
 
 Returns:
     ``ids [T, k]`` int32 global entry ids, the same on every rank.
+"""
+
+dcp_indexer_candidates.__doc__ = """:func:`indexer_candidates` over a DCP group whose entries are sharded by ``interleave``.
+
+As :func:`dcp_indexer_topk`: each rank scores its own entries, takes the best
+``n_blocks`` blocks of global ids by the max of its entries in them, and the candidates
+are all-gathered and merged (a block whose entries several ranks hold counts once, at its
+highest max), so every rank returns the same global block ids, equal to
+:func:`indexer_candidates` over the unsharded cache. A collective.
 """

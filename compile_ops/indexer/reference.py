@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from compile_ops.indexer.cache import read_index_keys
-from compile_ops.indexer.inputs import IndexerArgs
+from compile_ops.indexer.inputs import IndexerArgs, block_scores, restrict_to_candidates
 
 SCORE_CHUNK = 1 << 22  # scores of one token chunk, elements (16 MiB of fp32)
 KEY_CHUNK = 1 << 20  # dequantized keys gathered at once, elements (4 MiB of fp32)
@@ -19,7 +19,7 @@ KEY_CHUNK = 1 << 20  # dequantized keys gathered at once, elements (4 MiB of fp3
 
 def scores_reference(args: IndexerArgs, lo: int, hi: int) -> Tensor:
     """fp32 scores ``[hi - lo, L]`` of tokens ``lo:hi``; ``-inf`` at ``c >= n`` and at holes."""
-    q, weights, cache, fmt, block_table, rows, n, _ = args
+    q, weights, cache, fmt, block_table, rows, n = args[:7]
     page_size, num_slots = cache.shape[1], cache.shape[0] * cache.shape[1]
     L = block_table.shape[1] * page_size
     qf, w, row, count = q[lo:hi].float(), weights[lo:hi], rows[lo:hi], n[lo:hi]
@@ -54,13 +54,23 @@ def topk_of_scores(scores: Tensor, k: int, ids: Tensor | None = None) -> tuple[T
     return torch.where(values > float("-inf"), picked, -1).to(torch.int32), values
 
 
-def indexer_topk_reference(args: IndexerArgs) -> tuple[Tensor, Tensor]:
-    """``(ids [T, k] int32, scores [T, k] fp32)`` of :class:`IndexerArgs`."""
+def _per_chunk(args: IndexerArgs, select) -> tuple[Tensor, Tensor]:
+    """``select(scores, lo, hi) -> (ids, values)`` over token chunks of bounded scores, joined."""
     T = args.q.shape[0]
     L = args.block_table.shape[1] * args.cache.shape[1]
     chunk = max(1, SCORE_CHUNK // max(1, L))
-    parts = [topk_of_scores(scores_reference(args, lo, min(T, lo + chunk)), args.k) for lo in range(0, T, chunk)]
+    parts = [select(scores_reference(args, lo, min(T, lo + chunk)), lo, min(T, lo + chunk)) for lo in range(0, T, chunk)]
     if not parts:
         empty = args.q.new_empty((0, args.k))
         return empty.to(torch.int32), empty.float()
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def indexer_topk_reference(args: IndexerArgs) -> tuple[Tensor, Tensor]:
+    """``(ids [T, k] int32, scores [T, k] fp32)`` of :class:`IndexerArgs`."""
+    return _per_chunk(args, lambda s, lo, hi: topk_of_scores(restrict_to_candidates(s, args, lo, hi), args.k))
+
+
+def indexer_candidates_reference(args: IndexerArgs) -> tuple[Tensor, Tensor]:
+    """``(blocks [T, k] int32, block scores [T, k] fp32)`` of :class:`IndexerArgs`."""
+    return _per_chunk(args, lambda s, lo, hi: topk_of_scores(block_scores(s, args, lo, hi), args.k))

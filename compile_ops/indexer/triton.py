@@ -30,7 +30,7 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops.indexer.inputs import IndexerArgs
+from compile_ops.indexer.inputs import IndexerArgs, block_scores, restrict_to_candidates
 from compile_ops.mla.plan import num_sms
 
 BN = 64  # entries per scores block
@@ -262,15 +262,16 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
                                            S_PAD=s_pad, K_PAD=triton.next_power_of_2(k), num_warps=16)
 
 
-def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids [T, k] int32, scores [T, k] fp32)`` of a validated call (see
-    :class:`compile_ops.indexer.inputs.IndexerArgs`); only shapes steer the launches."""
-    q, w, cache, fmt, table, rows, n, k = args
+def _per_chunk(args: IndexerArgs, select) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of token chunks (each under ``SCORES_BYTES``) by ``_scores_kernel``, then
+    ``select(scores, lo, hi, ids, vals)`` fills rows ``lo:hi`` of ``(ids, vals [T, k])``;
+    only shapes steer the launches."""
+    q, w, cache, table, rows, n = args.q, args.weights, args.cache, args.block_table, args.rows, args.n
     T, Hi = q.shape[:2]
     page_size = cache.shape[1]
     L = table.shape[1] * page_size
-    ids = torch.empty((T, k), dtype=torch.int32, device=q.device)
-    vals = torch.empty((T, k), dtype=torch.float32, device=q.device)
+    ids = torch.empty((T, args.k), dtype=torch.int32, device=q.device)
+    vals = torch.empty((T, args.k), dtype=torch.float32, device=q.device)
     HI = max(16, triton.next_power_of_2(Hi))
     sms = num_sms(q.device)
     blocks = triton.cdiv(L, BN)
@@ -286,9 +287,30 @@ def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
             q[lo:hi], w[lo:hi], cache, table, rows[lo:hi], n[lo:hi], scores,
             q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
             cache.shape[0] * page_size, page_size, Hi, S,
-            HI=HI, FP8=fmt.fp8, BN=BN, ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET,
+            HI=HI, FP8=args.fmt.fp8, BN=BN, ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET,
             # deeper key prefetch once many tokens share the SMs
             num_stages=4 if statically_known_true(hi - lo >= 32) else 2,
         )
-        topk_of_rows(scores, n[lo:hi], ids[lo:hi], vals[lo:hi], k)
+        select(scores, lo, hi, ids[lo:hi], vals[lo:hi])
     return ids, vals
+
+
+def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [T, k] int32, scores [T, k] fp32)`` of a validated call (see
+    :class:`compile_ops.indexer.inputs.IndexerArgs`)."""
+
+    def select(scores, lo, hi, ids, vals):
+        topk_of_rows(restrict_to_candidates(scores, args, lo, hi), args.n[lo:hi], ids, vals, args.k)
+
+    return _per_chunk(args, select)
+
+
+def indexer_candidates_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks [T, k] int32, block scores [T, k] fp32)`` of a validated call."""
+
+    def select(scores, lo, hi, ids, vals):
+        blocks = block_scores(scores, args, lo, hi)
+        every = torch.full((hi - lo,), blocks.shape[1], dtype=torch.int32, device=blocks.device)
+        topk_of_rows(blocks, every, ids, vals, args.k)
+
+    return _per_chunk(args, select)
