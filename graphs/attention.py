@@ -36,6 +36,7 @@ from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
 from graphs.metadata import StepInputs, step_inputs
+from graphs.plan import LayerPlan, LayerRole
 from graphs.rope import apply_rope, layer_inv_freq, rope_tables
 
 
@@ -292,7 +293,8 @@ class Indexer(nn.Module):
     """
 
     def __init__(self, cfg: AttentionConfig, cache: CacheConfig, ratio: int, device=None,
-                 dcp_group: Optional[str] = None, linear=None) -> None:
+                 dcp_group: Optional[str] = None, linear=None, owns_keys: bool = True,
+                 candidates: tuple[int, int] = (0, 0)) -> None:
         super().__init__()
         self.dcp_group, self.interleave = dcp_group, cache.dcp_interleave
         linear = linear or (lambda i, o: nn.Linear(i, o, bias=False, dtype=torch.bfloat16, device=device))
@@ -302,40 +304,77 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.rope_head_dim
         self.topk = min(cfg.index_topk, cache.max_entries(ratio))
         self.index_format = cache.index_format
+        self.n_blocks, self.block = candidates
         self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=torch.bfloat16, device=device)
-        if cfg.v41:  # keys from the layer compressor's latent
-            self.compressor = None
-            self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False, dtype=torch.bfloat16, device=device)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, device)
+        self.compressor = self.wk = self.k_norm = None
+        if cfg.v41:  # keys from the layer compressor's latent, on the kv source only
+            if owns_keys:
+                self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False, dtype=torch.bfloat16, device=device)
+                self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, device)
             self.register_buffer("rotation", None, persistent=False)
         else:
+            if not owns_keys:
+                raise ValueError("a DeepSeek-V4 indexer owns its keys (its own compressor)")
             self.compressor = Compressor(cfg, ratio, self.head_dim, cfg.overlaps(ratio), cache, device)
             self.register_buffer("rotation", hadamard(self.head_dim, device).to(torch.bfloat16), persistent=False)
-        keys = new_index_cache(cache.index_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
+        keys = None
+        if owns_keys:
+            keys = new_index_cache(cache.index_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
         self.register_buffer("index_cache", keys, persistent=False)
 
-    def forward(self, x, qr, rows: "StepRows", cos, sin, cos_table, sin_table, inp: StepInputs,
-                latent: Optional[Tensor] = None) -> Tensor:
-        """Top-k request-local entry ids ``[T, K]`` int32 (``-1`` padded), each token over
-        its own ``rows.n_entries``; ``latent`` is the layer compressor's (V4.1's keys)."""
-        T = x.shape[0]
-        q = _rope_last(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.rope_dim, cos, sin)
+    def write_keys(self, x: Tensor, rows: "StepRows", cos_table: Tensor, sin_table: Tensor, inp: StepInputs,
+                   latent: Optional[Tensor]) -> None:
+        """Write this step's closed entries' index keys into ``index_cache`` (kv sources only);
+        ``latent`` is the layer compressor's (V4.1's keys)."""
         if self.compressor is not None:
             key, _ = self.compressor(x, rows, cos_table, sin_table)
-            q, key = q @ self.rotation, key.to(torch.bfloat16) @ self.rotation
+            key = key.to(torch.bfloat16) @ self.rotation
         else:
             group_start = rows.pos - rows.pos % self.ratio
             key = _rope_last(self.k_norm(self.wk(latent)), self.rope_dim, cos_table[group_start], sin_table[group_start])
         # written where the compressed entry of the same group is (inp.cmp_slots, -1 if none)
         torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key, self.index_format)
+
+    def forward(self, x, qr, rows: "StepRows", cos, sin, inp: StepInputs, index_cache: Tensor,
+                candidates: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """``(ids [T, K], blocks)``: top-k request-local entry ids (``-1`` padded), each token
+        over its own ``rows.n_entries`` of ``index_cache`` (the kv source's keys), inside
+        ``candidates`` blocks when given; ``blocks [T, n_blocks]`` this layer's candidate
+        blocks when it is the candidate source (``None`` otherwise)."""
+        T = x.shape[0]
+        q = _rope_last(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.rope_dim, cos, sin)
+        if self.rotation is not None:
+            q = q @ self.rotation
+        q = q.contiguous()
         weights = self.weights_proj(x).float() * (self.head_dim * self.n_heads) ** -0.5
+        table, n = inp.cmp_block_table, rows.n_entries
+        dsv41 = torch.ops.dsv41
         if self.dcp_group is not None:  # this rank's keys; every rank gets the same global ids
-            return torch.ops.dsv41.dcp_indexer_topk(q.contiguous(), weights, self.index_cache, inp.cmp_block_table,
-                                                    inp.token_to_req, rows.n_entries, self.topk, self.index_format,
-                                                    self.dcp_group, self.interleave)
-        return torch.ops.dsv41.indexer_topk(q.contiguous(), weights, self.index_cache, inp.cmp_block_table,
-                                            inp.token_to_req, rows.n_entries, self.topk, self.index_format)
+            ids = dsv41.dcp_indexer_topk(q, weights, index_cache, table, inp.token_to_req, n, self.topk,
+                                         self.index_format, self.dcp_group, self.interleave, candidates, self.block or 1)
+            blocks = dsv41.dcp_indexer_candidates(q, weights, index_cache, table, inp.token_to_req, n, self.n_blocks,
+                                                  self.block, self.index_format, self.dcp_group,
+                                                  self.interleave) if self.n_blocks else None
+            return ids, blocks
+        ids = dsv41.indexer_topk(q, weights, index_cache, table, inp.token_to_req, n, self.topk, self.index_format,
+                                 candidates, self.block or 1)
+        blocks = dsv41.indexer_candidates(q, weights, index_cache, table, inp.token_to_req, n, self.n_blocks,
+                                          self.block, self.index_format) if self.n_blocks else None
+        return ids, blocks
+
+
+class Shared(NamedTuple):
+    """What a DeepSeek-V4.1 layer reads from the layers it shares with (``graphs.plan``),
+    this step: ``cmp_cache`` and ``index_cache``, its kv source's compressed cache and index
+    keys (addressed by the same ``cmp_block_table``); ``topk [T, K]`` int32, its index
+    source's ids of this step; ``candidates [T, C]`` int32, the candidate source's blocks of
+    this step (for the index sources after it). ``None`` where the layer owns the part."""
+
+    cmp_cache: Optional[Tensor] = None
+    index_cache: Optional[Tensor] = None
+    topk: Optional[Tensor] = None
+    candidates: Optional[Tensor] = None
 
 
 class DSV41Attention(nn.Module):
@@ -368,11 +407,14 @@ class DSV41Attention(nn.Module):
     """
 
     def __init__(self, cfg: AttentionConfig, cache: CacheConfig, compress_ratio: int, device=None, seed: int = 0,
-                 dcp_group: Optional[str] = None, weights: str = "bf16") -> None:
+                 dcp_group: Optional[str] = None, weights: str = "bf16", *, plan: Optional[LayerPlan] = None,
+                 layer_id: int = 0) -> None:
         super().__init__()
         device = check_device("device", device)
         self.cfg, self.cache_cfg = cfg, cache
         self.compress_ratio = ratio = cache.check_ratio(cfg.check_ratio(compress_ratio)) if compress_ratio else 0
+        self.plan, self.layer_id = plan, layer_id
+        self.role = role = self._role(plan, layer_id, ratio)
         H, D, G, bf16 = cfg.n_heads, cfg.head_dim, cfg.o_groups, torch.bfloat16
         self.n_heads, self.head_dim, self.rope_dim = H, D, cfg.rope_head_dim
         self.softmax_scale = D ** -0.5
@@ -409,8 +451,14 @@ class DSV41Attention(nn.Module):
         self.wo_a = linear(H * D // G, G // N * cfg.o_lora_rank)
         self.wo_b = linear(G // N * cfg.o_lora_rank, cfg.dim)
         self.compressor = Compressor(cfg, ratio, D, cfg.overlaps(ratio), cache, device, position_bias=not cfg.v41,
-                                     gate=not (cfg.v41 and ratio == 1)) if ratio else None
-        self.indexer = Indexer(cfg, cache, ratio, device, self.dcp_group, linear) if cfg.has_indexer(ratio) else None
+                                     gate=not (cfg.v41 and ratio == 1)) if role.compresses else None
+        candidates = (0, 0)
+        if plan is not None and plan.candidate_source == layer_id:
+            candidates = (plan.candidate_topk_blocks, plan.candidate_block_size)
+        self.uses_candidates = plan is not None and plan.uses_candidates(layer_id)
+        self.candidate_block = plan.candidate_block_size if self.uses_candidates else 0
+        self.indexer = Indexer(cfg, cache, ratio, device, self.dcp_group, linear, owns_keys=role.compresses,
+                               candidates=candidates) if role.indexes else None
         self._register_load_state_dict_pre_hook(self._shard_full_weights)
 
         cos, sin = rope_tables(layer_inv_freq(cfg, ratio), cache.max_seq_len)
@@ -420,20 +468,47 @@ class DSV41Attention(nn.Module):
             "swa_cache", new_cache(cache.kv_format, cache.swa_num_pages(cfg.window_size), cache.page_size, device=device),
             persistent=False
         )
-        if ratio:
+        cmp_cache = None
+        if role.compresses:
             cmp_cache = new_cache(cache.kv_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
-            self.topk = self.indexer.topk if self.indexer is not None else cache.max_entries(ratio)
-        else:
-            cmp_cache, self.topk = None, 0
         self.register_buffer("cmp_cache", cmp_cache, persistent=False)
+        self.topk = (min(cfg.index_topk, cache.max_entries(ratio)) if cfg.has_indexer(ratio)
+                     else cache.max_entries(ratio)) if ratio else 0
+        # the ids (and candidate blocks) a step picked, kept for the layers that read them
+        owns_ids = ratio and (role.indexes or role.index_source is None)
         # sparse_mla's scratch, sized for this device (moved with .to(), a smaller one only
         # limits split-K): no call allocates it, so capture needs no warm-up for it
         self.register_buffer("mla_workspace", sparse_mla_workspace(device or "cpu", cache.kv_format), persistent=False)
         self.register_buffer(
-            "topk_ids", torch.full((cache.max_tokens, self.topk), -1, dtype=torch.int32, device=device), persistent=False
+            "topk_ids", torch.full((cache.max_tokens, self.topk), -1, dtype=torch.int32, device=device)
+            if owns_ids else None, persistent=False
+        )
+        self.register_buffer(
+            "candidate_ids", torch.full((cache.max_tokens, candidates[0]), -1, dtype=torch.int32, device=device)
+            if candidates[0] else None, persistent=False
         )
         self.reset_parameters(seed)
         self.requires_grad_(False)  # inference only: caches are written in place every step
+
+    def _role(self, plan: Optional[LayerPlan], layer_id: int, ratio: int) -> LayerRole:
+        """Layer ``layer_id``'s role in ``plan`` (checked against ``ratio``); without a plan
+        the layer owns its compressed cache and top-k."""
+        if plan is None:
+            return LayerRole(layer_id, ratio, layer_id if ratio else None,
+                             layer_id if self.cfg.has_indexer(ratio) else None)
+        if not 0 <= layer_id < len(plan.layers):
+            raise ValueError(f"layer_id must be in 0..{len(plan.layers) - 1} (the plan's layers), got {layer_id}")
+        role = plan.layers[layer_id]
+        if role.ratio != ratio:
+            raise ValueError(f"layer {layer_id} has ratio {role.ratio} in the plan, but compress_ratio is {ratio}")
+        return role
+
+    @property
+    def reads_shared(self) -> bool:
+        """Whether ``forward`` needs :class:`Shared` parts: another layer's compressed cache
+        or top-k (a DeepSeek-V4.1 reader, or an index source after the candidate source)."""
+        r = self.role
+        return bool(r.ratio) and (not r.compresses or (r.index_source not in (None, r.layer_id)) or self.uses_candidates)
 
     @classmethod
     def from_checkpoint(cls, folder, layer_id: int, cache: CacheConfig, device=None,
@@ -441,8 +516,8 @@ class DSV41Attention(nn.Module):
         """Layer ``layer_id`` of a DeepSeek-V4 checkpoint folder (its ``config.json`` and
         ``*.safetensors``, in DeepSeek's or Hugging Face's naming): the config by
         :meth:`AttentionConfig.from_hf_config`, the layer's compress ratio from the
-        config's plan (:class:`graphs.plan.LayerPlan`; a layer that shares another's cache or
-        top-k is refused), FP8 weights when the config declares them, and the weights loaded
+        config's plan (:class:`graphs.plan.LayerPlan`; a layer that reads another's cache or
+        top-k takes them as :class:`Shared`, as :class:`graphs.DSV41Stack` passes them), FP8 weights when the config declares them, and the weights loaded
         strictly by :func:`graphs.checkpoint.load_attention_weights`."""
         from graphs.checkpoint import checkpoint_weights, load_attention_weights, read_config
         from graphs.plan import LayerPlan
@@ -451,14 +526,8 @@ class DSV41Attention(nn.Module):
         plan = LayerPlan.from_config(config)
         if not 0 <= layer_id < len(plan.layers):
             raise ValueError(f"layer_id must be in 0..{len(plan.layers) - 1} (the config's compress_ratios), got {layer_id}")
-        role = plan.layers[layer_id]
-        if role.ratio and not (role.compresses and (role.index_source is None or role.indexes)):
-            raise ValueError(f"layer {layer_id} shares layer {role.kv_source}'s compressed cache and layer "
-                             f"{role.index_source}'s top-k (a DeepSeek-V4.1 reader, graphs.plan): DSV41Attention "
-                             f"computes a layer that owns its cache and top-k; the stack that shares them is not "
-                             f"built yet")
-        layer = cls(AttentionConfig.from_hf_config(config), cache, role.ratio, device=device,
-                    dcp_group=dcp_group, weights=checkpoint_weights(config))
+        layer = cls(AttentionConfig.from_hf_config(config), cache, plan.layers[layer_id].ratio, device=device,
+                    dcp_group=dcp_group, weights=checkpoint_weights(config), plan=plan, layer_id=layer_id)
         load_attention_weights(layer, folder, layer_id)
         return layer
 
@@ -516,7 +585,7 @@ class DSV41Attention(nn.Module):
         """Zero caches, compressor state, index keys and the top-k buffer."""
         for name, buf in self.named_buffers():
             if not name.startswith("rope_"):
-                buf.fill_(-1 if name == "topk_ids" else 0)
+                buf.fill_(-1 if name in ("topk_ids", "candidate_ids") else 0)
 
     def step_inputs(self, positions, token_to_req, swa_block_table, cmp_block_table) -> StepInputs:
         """:func:`graphs.step_inputs` with this layer's page sizes, ratio and DCP shard."""
@@ -525,9 +594,27 @@ class DSV41Attention(nn.Module):
                            c.block_size(self.compress_ratio), self.compress_ratio, self.dcp_rank, c.dcp_world,
                            c.dcp_interleave)
 
-    def forward(self, x: Tensor, inp: StepInputs) -> Tensor:
+    def _check_shared(self, shared: Optional[Shared]) -> Shared:
+        shared = Shared() if shared is None else shared
+        r, missing = self.role, []
+        if not r.compresses and shared.cmp_cache is None:
+            missing.append(f"cmp_cache (layer {r.kv_source}'s)")
+        if self.indexer is not None and self.indexer.index_cache is None and shared.index_cache is None:
+            missing.append(f"index_cache (layer {r.kv_source}'s)")
+        if self.indexer is None and r.index_source is not None and shared.topk is None:
+            missing.append(f"topk (layer {r.index_source}'s ids of this step)")
+        if self.uses_candidates and shared.candidates is None:
+            missing.append(f"candidates (layer {self.plan.candidate_source}'s blocks of this step)")
+        if missing:
+            raise ValueError(f"layer {r.layer_id} reads what other layers own: pass Shared({', '.join(missing)}), "
+                             f"or run it in a DSV41Stack")
+        return shared
+
+    def forward(self, x: Tensor, inp: StepInputs, shared: Optional[Shared] = None) -> Tensor:
         """One step of ``T`` tokens: ``x [T, dim]`` bf16 -> ``[T, dim]`` bf16 (rows of
-        padding tokens hold garbage).
+        padding tokens hold garbage). A layer that reads other layers' caches or ids
+        (:attr:`reads_shared`) takes them as ``shared`` (:class:`Shared`); ``inp`` then
+        addresses its kv source's compressed cache (the same ``cmp_block_table``).
 
         Any mix of prefill chunks, decode tokens and draft tokens: each request's tokens
         are contiguous in the step at consecutive positions (``inp`` says which), and each
@@ -555,25 +642,41 @@ class DSV41Attention(nn.Module):
 
         cmp_idx: Optional[Tensor] = None
         cmp_lens: Optional[Tensor] = None
+        cmp_cache = self.cmp_cache
         if self.compress_ratio:
             ratio = self.compress_ratio
-            latent, _ = self.compressor.latent(x, rows)
-            group_start = pos - pos % ratio
-            entry = _rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
-            torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.kv_format, self.kv_scale)
-            if self.indexer is not None:
-                topk = self.indexer(x, qr, rows, cos, sin, self.rope_cos, self.rope_sin, inp, latent)
+            shared = self._check_shared(shared)
+            index_cache = self.indexer.index_cache if self.indexer is not None else None
+            if self.compressor is not None:
+                latent, _ = self.compressor.latent(x, rows)
+                group_start = pos - pos % ratio
+                entry = _rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
+                torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.kv_format, self.kv_scale)
+                if index_cache is not None:
+                    self.indexer.write_keys(x, rows, self.rope_cos, self.rope_sin, inp, latent)
             else:
+                cmp_cache = shared.cmp_cache
+            if self.indexer is not None:
+                if index_cache is None:
+                    index_cache = shared.index_cache
+                topk, blocks = self.indexer(x, qr, rows, cos, sin, inp, index_cache, shared.candidates)
+                if blocks is not None:
+                    self.candidate_ids[:T].copy_(blocks)
+            elif self.role.index_source is None:  # dense: every closed entry
                 ids = torch.arange(self.topk, device=x.device, dtype=torch.int32)
                 topk = torch.where(ids < rows.n_entries.unsqueeze(1), ids, -1)
-            self.topk_ids[:T].copy_(topk)
+            else:
+                topk = shared.topk
+            if self.topk_ids is not None:
+                self.topk_ids[:T].copy_(topk)
+                topk = self.topk_ids[:T]
             if self.dcp_group is None:
                 cmp_idx, cmp_lens = torch.ops.dsv41.topk_to_slots(
-                    self.topk_ids[:T], inp.token_to_req, inp.cmp_block_table, cache.block_size(ratio), valid
+                    topk, inp.token_to_req, inp.cmp_block_table, cache.block_size(ratio), valid
                 )
             else:  # the global ids this rank holds, as its local slots
                 cmp_idx, cmp_lens = torch.ops.dsv41.dcp_topk_to_slots(
-                    self.topk_ids[:T], inp.token_to_req, inp.cmp_block_table, cache.block_size(ratio), valid,
+                    topk, inp.token_to_req, inp.cmp_block_table, cache.block_size(ratio), valid,
                     self.dcp_rank, cache.dcp_world, cache.dcp_interleave,
                 )
 
@@ -587,7 +690,7 @@ class DSV41Attention(nn.Module):
         o = q.new_empty(q.shape)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         torch.ops.dsv41.sparse_mla_out(
-            q, self.swa_cache, swa_idx, swa_lens, self.cmp_cache, cmp_idx, cmp_lens, sink,
+            q, self.swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink,
             self.softmax_scale, self.kv_format, self.kv_scale, o, lse, self.mla_workspace,
         )
         if self.dcp_group is not None:

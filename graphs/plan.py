@@ -103,6 +103,9 @@ class LayerPlan:
             elif src.ratio != r.ratio:
                 problems.append(f"{where} reads the compressed cache of layer {src.layer_id} of ratio {src.ratio}: "
                                 f"a reader's ratio (and so its block size) must be its source's")
+            if r.compresses and r.ratio not in DENSE_RATIOS and not r.indexes:
+                problems.append(f"{where} is a kv source of an indexed ratio: it must be an index source too "
+                                f"(its index keys are its indexer's)")
             if r.ratio in DENSE_RATIOS:
                 if r.index_source is not None:
                     problems.append(f"{where} attends every entry: it has no index source")

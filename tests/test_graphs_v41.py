@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphs.plan import LayerPlan
 from graphs import TINY_V41, AttentionConfig, CacheConfig, DSV41Attention, StepRunner
 from graphs.naive import oracle_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
@@ -98,8 +99,8 @@ def test_a_v41_config_is_read_as_v41():
 
 def test_a_v41_fp8_checkpoint_loads_its_source_layers_strictly(tmp_path):
     """A synthetic V4.1 checkpoint (DeepSeek's names ``layers.N.attn.*``, FP8 in 32 x 32
-    blocks with ue8m0 scales) loads its kv + index source layers of both ratios; a layer
-    that reads another's cache is refused."""
+    blocks with ue8m0 scales) loads every layer strictly: the kv + index sources of both
+    ratios, and a reader, which has no compressor or indexer weights."""
     import json
 
     from safetensors.torch import save_file
@@ -113,9 +114,10 @@ def test_a_v41_fp8_checkpoint_loads_its_source_layers_strictly(tmp_path):
               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32]}}
     cfg = AttentionConfig.from_hf_config(config)
     cache = CacheConfig(2, 4, 64, 4)
+    plan = LayerPlan.from_config(config)
     tensors, sources = {}, {}
-    for layer_id, ratio in ((1, 2), (3, 1)):
-        src = DSV41Attention(cfg, cache, ratio, seed=layer_id)
+    for layer_id, ratio in ((0, 0), (1, 2), (2, 2), (3, 1)):
+        src = DSV41Attention(cfg, cache, ratio, seed=layer_id, plan=plan, layer_id=layer_id)
         sd = to_fp8_state_dict(src.state_dict(), "deepseek", 32)
         tensors.update({layer_prefix(layer_id, "deepseek") + k: v.contiguous() for k, v in sd.items()})
         sources[layer_id] = sd
@@ -127,5 +129,5 @@ def test_a_v41_fp8_checkpoint_loads_its_source_layers_strictly(tmp_path):
         got = layer.state_dict()
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k].float(), want[k].float()) for k in want)
-    with pytest.raises(ValueError, match="layer 2 shares layer 1's compressed cache"):
-        DSV41Attention.from_checkpoint(tmp_path, 2, cache)
+    assert not any(k.startswith(("compressor.", "indexer.")) for k in sources[2])
+    assert sum(k.startswith("indexer.wk") for sd in sources.values() for k in sd) == 2  # the kv sources' keys

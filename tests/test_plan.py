@@ -63,14 +63,20 @@ def test_plans_that_cannot_work_are_refused(kwargs, says):
     assert says in str(info.value)
 
 
-def test_from_checkpoint_refuses_a_v41_reader(tmp_path):
-    import json
+def test_a_reader_names_the_shared_parts_it_was_not_given():
+    """A V4.1 reader layer built alone owns no compressor, cache, indexer or ids; run without
+    its source's parts it says which to pass."""
+    import torch
 
-    from graphs import CacheConfig, DSV41Attention
+    from graphs import TINY_V41, CacheConfig, DSV41Attention, StepMetadata
 
-    config = {"hidden_size": 64, "num_attention_heads": 4, "q_lora_rank": 32, "o_lora_rank": 32, "o_groups": 2,
-              "sliding_window": 8, "index_n_heads": 2, "index_head_dim": 128, "index_topk": 8, "rms_norm_eps": 1e-20,
-              "compress_ratios": [0, 2, 2], "kv_source_layer_ids": [1], "index_source_layer_ids": [1]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="layer 2 shares layer 1's compressed cache and layer 1's top-k"):
-        DSV41Attention.from_checkpoint(tmp_path, 2, CacheConfig(2, 4, 32, 4))
+    plan = LayerPlan.from_lists([0, 2, 2], kv_sources=[1], index_sources=[1])
+    layer = DSV41Attention(TINY_V41, CacheConfig(2, 4, 32, 4), 2, plan=plan, layer_id=2)
+    assert layer.reads_shared and layer.compressor is None and layer.indexer is None
+    assert layer.cmp_cache is None and layer.topk_ids is None
+    meta = StepMetadata.for_layer(layer)
+    meta.update(torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), bucket=1)
+    with pytest.raises(ValueError, match=r"pass Shared\(cmp_cache \(layer 1's\), topk \(layer 1's ids"):
+        layer(torch.zeros(1, TINY_V41.dim, dtype=torch.bfloat16), meta.inputs(1))
+    with pytest.raises(ValueError, match="ratio 2 in the plan, but compress_ratio is 1"):
+        DSV41Attention(TINY_V41, CacheConfig(2, 4, 32, 4), 1, plan=plan, layer_id=2)
