@@ -25,12 +25,12 @@
 ``python -m graphs`` runs the main job (see ``docs/graphs.md``).
 """
 
-from graphs.attention import Compressor, DSV41Attention, Indexer, RMSNorm, StepRows
+from graphs.attention import Compressor, DSV41Attention, Indexer, RMSNorm, Shared
 from graphs.checkpoint import load_attention_weights
 from graphs.fp8 import Fp8Linear
 from graphs.config import PRESETS, TINY, TINY_V41, V4_FLASH, V4_PRO, V41_FLASH, AttentionConfig, CacheConfig
 from graphs.memory import buffer_bytes
-from graphs.metadata import StepInputs, StepMetadata, step_inputs
+from graphs.metadata import Geometry, StepInputs, StepMetadata, StepRows, step_inputs
 from graphs.pages import PageAllocator, PagePool
 from graphs.plan import V41_FLASH_PLAN, LayerPlan, LayerRole
 from graphs.runner import DEFAULT_BUCKETS, LayerStep, StepRunner, compiled_call, mark_tokens_dynamic
@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_BUCKETS",
     "DSV41Attention",
     "Fp8Linear",
+    "Geometry",
     "Indexer",
     "LayerPlan",
     "LayerRole",
@@ -50,6 +51,7 @@ __all__ = [
     "PageAllocator",
     "PagePool",
     "RMSNorm",
+    "Shared",
     "StepInputs",
     "StepMetadata",
     "StepRows",

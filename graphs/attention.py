@@ -35,7 +35,7 @@ from compile_ops.linear.quant import TILE_N
 from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
-from graphs.metadata import StepInputs, step_inputs
+from graphs.metadata import Geometry, StepInputs, StepRows, derive, step_inputs
 from graphs.plan import LayerPlan, LayerRole
 from graphs.rope import apply_rope, layer_inv_freq, rope_tables
 
@@ -98,39 +98,6 @@ def _rope_last(x: Tensor, rope_dim: int, cos: Tensor, sin: Tensor, inverse: bool
     """``x`` with :func:`apply_rope` on its last ``rope_dim`` dims."""
     nope = x.shape[-1] - rope_dim
     return torch.cat([x[..., :nope], apply_rope(x[..., nope:], cos, sin, inverse)], dim=-1)
-
-
-class StepRows(NamedTuple):
-    """Per-token views of a step that the layer's parts share (all ``[T]``).
-
-    Attributes:
-        pos: int64 position, clamped to ``>= 0`` (padding tokens read position 0).
-        row: int64 request row; ``R`` (the spare state row) for padding tokens.
-        valid: bool, ``False`` for padding tokens.
-        first / last: int64 first and last position of the token's request in this step.
-        n_entries: int32 compressed entries closed at or before the token's position,
-            ``(pos + 1) // ratio`` (``0`` for padding): what the token may attend.
-    """
-
-    pos: Tensor
-    row: Tensor
-    valid: Tensor
-    first: Tensor
-    last: Tensor
-    n_entries: Tensor
-
-
-def step_rows(inp: StepInputs, max_requests: int, max_seq_len: int, ratio: int) -> StepRows:
-    """:class:`StepRows` of a step (graph-safe: scatter reductions over the request rows)."""
-    valid = inp.is_valid
-    pos = inp.positions.long().clamp(min=0)
-    row = torch.where(valid, inp.token_to_req.long(), max_requests)
-    first = torch.full((max_requests + 1,), max_seq_len, dtype=torch.long, device=pos.device)
-    last = torch.full((max_requests + 1,), -1, dtype=torch.long, device=pos.device)
-    first = first.scatter_reduce(0, row, pos, "amin")[row]
-    last = last.scatter_reduce(0, row, pos, "amax")[row]
-    n_entries = torch.where(valid, (pos + 1) // max(ratio, 1), 0).to(torch.int32) if ratio else torch.zeros_like(inp.positions)
-    return StepRows(pos, row, valid, first, last, n_entries)
 
 
 Stats = tuple[Tensor, Tensor, Tensor]
@@ -587,6 +554,14 @@ class DSV41Attention(nn.Module):
             if not name.startswith("rope_"):
                 buf.fill_(-1 if name in ("topk_ids", "candidate_ids") else 0)
 
+    @property
+    def device(self) -> torch.device:
+        return self.swa_cache.device
+
+    def geometries(self) -> list[Geometry]:
+        """This layer's one :class:`graphs.metadata.Geometry` (for :class:`StepMetadata`)."""
+        return [Geometry.of(self.cfg.window_size, self.cache_cfg, self.compress_ratio, self.dcp_rank)]
+
     def step_inputs(self, positions, token_to_req, swa_block_table, cmp_block_table) -> StepInputs:
         """:func:`graphs.step_inputs` with this layer's page sizes, ratio and DCP shard."""
         c = self.cache_cfg
@@ -625,7 +600,9 @@ class DSV41Attention(nn.Module):
         """
         T, D, rd = x.shape[0], self.head_dim, self.rope_dim
         cache = self.cache_cfg
-        rows = step_rows(inp, cache.max_requests, cache.max_seq_len, self.compress_ratio)
+        if inp.rows is None:  # not derived by the step's metadata: derive them here
+            inp = derive(inp, self.geometries()[0])
+        rows = inp.rows
         valid, pos = rows.valid, rows.pos
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
 
@@ -636,9 +613,7 @@ class DSV41Attention(nn.Module):
         q = _rope_last(q, rd, cos, sin).to(x.dtype)
         kv = _rope_last(self.kv_norm(self.wkv(x)), rd, cos, sin)
         torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
-        swa_idx, swa_lens = torch.ops.dsv41.swa_indices(
-            inp.positions, inp.token_to_req, inp.swa_block_table, self.cache_cfg.page_size, self.cfg.window_size
-        )
+        swa_idx, swa_lens = inp.swa_idx, inp.swa_lens
 
         cmp_idx: Optional[Tensor] = None
         cmp_lens: Optional[Tensor] = None

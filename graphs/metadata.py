@@ -14,7 +14,8 @@ math only (no host sync), so it runs inside a compiled, captured step.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +39,13 @@ class StepInputs(NamedTuple):
         swa_slots: ``[T]`` SWA slot each token's kv is written to (``-1``: skip).
         cmp_slots: ``[T]`` compressed slot written by a token that closes a group
             (``-1``: no write).
+        rows: the step's :class:`StepRows` (request rows, validity, entry counts).
+        swa_idx / swa_lens: ``[T, window]`` SWA slots each token attends (``-1``
+            padded) and ``[T]`` their counts (``dsv41::swa_indices``).
+
+    The last three are derived once per step for every layer of the geometry
+    (:meth:`StepMetadata.inputs`); ``None`` (as :func:`step_inputs` leaves them without
+    ``geometry``) lets the layer derive them itself.
     """
 
     positions: Tensor
@@ -47,6 +55,76 @@ class StepInputs(NamedTuple):
     cmp_block_table: Tensor
     swa_slots: Tensor
     cmp_slots: Tensor
+    rows: Optional["StepRows"] = None
+    swa_idx: Optional[Tensor] = None
+    swa_lens: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a layer's step inputs depend on besides the step itself: its compress ratio,
+    window, page sizes, DCP shard and table widths. Layers of one geometry (in a stack: of
+    one ratio) read the same block tables and the same derived step inputs, computed once
+    per step (:meth:`StepMetadata.inputs`).
+    """
+
+    ratio: int
+    window: int
+    page_size: int
+    block_size: int  # compressed entries per page
+    max_requests: int
+    max_seq_len: int
+    swa_columns: int
+    cmp_columns: int
+    dcp: tuple[int, int, int] = (0, 1, 1)  # (rank, world, interleave) of the compressed shards
+
+    @classmethod
+    def of(cls, window: int, cache, ratio: int, rank: int = 0) -> "Geometry":
+        """The geometry of a layer of ``ratio`` with SWA ``window`` in ``cache`` (a
+        :class:`graphs.CacheConfig`) on DCP rank ``rank``."""
+        return cls(ratio, window, cache.page_size, cache.block_size(ratio), cache.max_requests, cache.max_seq_len,
+                   cache.swa_table_columns(), cache.cmp_pages_per_request(ratio),
+                   (rank, cache.dcp_world, cache.dcp_interleave))
+
+
+class StepRows(NamedTuple):
+    """Per-token views of a step that the layer's parts share (all ``[T]``).
+
+    Attributes:
+        pos: int64 position, clamped to ``>= 0`` (padding tokens read position 0).
+        row: int64 request row; ``R`` (the spare state row) for padding tokens.
+        valid: bool, ``False`` for padding tokens.
+        first / last: int64 first and last position of the token's request in this step.
+        n_entries: int32 compressed entries closed at or before the token's position,
+            ``(pos + 1) // ratio`` (``0`` for padding): what the token may attend.
+    """
+
+    pos: Tensor
+    row: Tensor
+    valid: Tensor
+    first: Tensor
+    last: Tensor
+    n_entries: Tensor
+
+
+def step_rows(inp: StepInputs, max_requests: int, max_seq_len: int, ratio: int) -> StepRows:
+    """:class:`StepRows` of a step (graph-safe: scatter reductions over the request rows)."""
+    valid = inp.is_valid
+    pos = inp.positions.long().clamp(min=0)
+    row = torch.where(valid, inp.token_to_req.long(), max_requests)
+    first = torch.full((max_requests + 1,), max_seq_len, dtype=torch.long, device=pos.device)
+    last = torch.full((max_requests + 1,), -1, dtype=torch.long, device=pos.device)
+    first = first.scatter_reduce(0, row, pos, "amin")[row]
+    last = last.scatter_reduce(0, row, pos, "amax")[row]
+    return StepRows(pos, row, valid, first, last, entry_counts(valid, pos, ratio))
+
+
+def entry_counts(valid: Tensor, pos: Tensor, ratio: int) -> Tensor:
+    """``[T]`` int32 compressed entries closed at or before each token, ``(pos + 1) // ratio``
+    (``0`` for padding and for ratio 0)."""
+    if not ratio:
+        return torch.zeros_like(pos, dtype=torch.int32)
+    return torch.where(valid, (pos + 1) // ratio, 0).to(torch.int32)
 
 
 def step_inputs(
@@ -62,7 +140,8 @@ def step_inputs(
     dcp_interleave: int = 1,
 ) -> StepInputs:
     """Derive validity and both slot mappings (graph-safe tensor math); under DCP the
-    compressed slots are this rank's (``-1`` for entries other ranks hold)."""
+    compressed slots are this rank's (``-1`` for entries other ranks hold). The rows and
+    SWA indices are left ``None`` (:func:`derive` adds them)."""
     R = swa_block_table.shape[0]
     is_valid = (positions >= 0) & (token_to_req >= 0) & (token_to_req < R)
     swa_slots = compressed_slot_mapping(positions, token_to_req, swa_block_table, page_size, 1)
@@ -74,19 +153,31 @@ def step_inputs(
     return StepInputs(positions, token_to_req, is_valid, swa_block_table, cmp_block_table, swa_slots, cmp_slots)
 
 
+def derive(inp: StepInputs, geometry: Geometry) -> StepInputs:
+    """``inp`` with its :class:`StepRows` and SWA indices (graph-safe)."""
+    rows = step_rows(inp, geometry.max_requests, geometry.max_seq_len, geometry.ratio)
+    swa_idx, swa_lens = torch.ops.dsv41.swa_indices(inp.positions, inp.token_to_req, inp.swa_block_table,
+                                                    geometry.page_size, geometry.window)
+    return inp._replace(rows=rows, swa_idx=swa_idx, swa_lens=swa_lens)
+
+
 PageChanges = tuple[Tensor, Tensor, Tensor]
 """``(rows, columns, pages)``: int32 ``[n]`` each, block-table entries to set (``-1`` frees)."""
 
 
 class StepMetadata(nn.Module):
-    """Static step buffers of one layer, sized for ``max_tokens`` tokens and ``R`` requests.
+    """Static step buffers of one layer, or of a stack's geometries, sized for
+    ``max_tokens`` tokens and ``R`` requests.
 
     Buffers (non-persistent, on the layer's device): ``ints [2, max_tokens]`` int32 holding
     positions / token_to_req (one buffer so an engine can fill it with one copy),
-    ``swa_block_table [R, Bs]`` and ``cmp_block_table [R, Bc]`` (``-1`` until pages are
-    given), and the slot mappings ``swa_slots`` / ``cmp_slots [max_tokens]`` that the step
-    writes. A step of ``T`` tokens reads the first ``T`` columns; ``T`` comes from the
-    hidden states' shape.
+    ``swa_block_table [R, Bs]``, the SWA slot mapping ``swa_slots [max_tokens]``, and per
+    compressed ratio ``r`` of the geometries ``cmp_block_table_{r} [R, Bc]`` and
+    ``cmp_slots_{r} [max_tokens]`` (tables ``-1`` until pages are given).
+    :attr:`cmp_block_table` / :attr:`cmp_slots` are those of a one-geometry (one-layer)
+    metadata. A step of ``T`` tokens reads the first ``T`` columns; ``T`` comes from the
+    hidden states' shape. Every geometry's step inputs are derived once per step
+    (:meth:`inputs`), for all the layers that share it.
 
     Example::
 
@@ -100,30 +191,61 @@ class StepMetadata(nn.Module):
         [5, 0, -1, -1]
     """
 
-    def __init__(self, max_tokens: int, swa_columns: int, cmp_columns: int, max_requests: int, page_size: int,
-                 cmp_block_size: int, compress_ratio: int, device=None, dcp: tuple[int, int, int] = (0, 1, 1)) -> None:
+    def __init__(self, max_tokens: int, geometries: Sequence[Geometry], device=None) -> None:
         super().__init__()
         self.max_tokens = max_tokens
-        self.dcp = dcp  # (rank, world, interleave) of the compressed caches' shards
-        self.page_size = page_size
-        self.cmp_block_size = cmp_block_size
-        self.compress_ratio = compress_ratio
+        self.geometries = {g.ratio: g for g in geometries}
+        if len(self.geometries) != len(geometries) or not geometries:
+            raise ValueError(f"need one geometry per ratio, got ratios {[g.ratio for g in geometries]}")
+        first = geometries[0]
+        shared = {(g.window, g.page_size, g.max_requests, g.max_seq_len, g.swa_columns, g.dcp) for g in geometries}
+        if len(shared) != 1:
+            raise ValueError("the geometries of one metadata must share the window, SWA pages, requests and DCP shard")
         ints = torch.zeros(2, max_tokens, dtype=torch.int32, device=device)
         ints[0] = -1
         self.register_buffer("ints", ints, persistent=False)
-        for name, cols in (("swa_block_table", swa_columns), ("cmp_block_table", cmp_columns)):
-            table = torch.full((max_requests, cols), -1, dtype=torch.int32, device=device)
-            self.register_buffer(name, table, persistent=False)
-        self.register_buffer("swa_slots", torch.full((max_tokens,), -1, dtype=torch.int32, device=device), persistent=False)
-        self.register_buffer("cmp_slots", torch.full((max_tokens,), -1, dtype=torch.int32, device=device), persistent=False)
+        R = first.max_requests
+
+        def table(cols):
+            return torch.full((R, cols), -1, dtype=torch.int32, device=device)
+
+        def slots():
+            return torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+
+        self.register_buffer("swa_block_table", table(first.swa_columns), persistent=False)
+        self.register_buffer("swa_slots", slots(), persistent=False)
+        for g in geometries:
+            if g.ratio:
+                self.register_buffer(f"cmp_block_table_{g.ratio}", table(g.cmp_columns), persistent=False)
+                self.register_buffer(f"cmp_slots_{g.ratio}", slots(), persistent=False)
+        self._no_table = table(0)  # a ratio-0 geometry's (empty) compressed table
 
     @classmethod
     def for_layer(cls, layer, max_tokens: Optional[int] = None) -> "StepMetadata":
-        """Buffers matching ``layer``'s cache geometry, block tables empty (``-1``)."""
-        cache, ratio = layer.cache_cfg, layer.compress_ratio
-        return cls(max_tokens or cache.max_tokens, cache.swa_table_columns(), cache.cmp_pages_per_request(ratio),
-                   cache.max_requests, cache.page_size, cache.block_size(ratio), ratio, layer.swa_cache.device,
-                   (layer.dcp_rank, cache.dcp_world, cache.dcp_interleave))
+        """Buffers matching ``layer``'s cache geometry (a :class:`graphs.DSV41Attention`, or
+        a :class:`graphs.DSV41Stack`: one geometry per ratio), block tables empty (``-1``)."""
+        return cls(max_tokens or layer.cache_cfg.max_tokens, layer.geometries(), layer.device)
+
+    def cmp_table_of(self, ratio: int) -> Tensor:
+        """Ratio ``ratio``'s compressed block table ``[R, Bc]`` (``[R, 0]`` for ratio 0)."""
+        return getattr(self, f"cmp_block_table_{ratio}") if ratio else self._no_table.to(self.ints.device)
+
+    @property
+    def only(self) -> Geometry:
+        if len(self.geometries) != 1:
+            raise AttributeError(f"this metadata has geometries of ratios {list(self.geometries)}: name one")
+        return next(iter(self.geometries.values()))
+
+    @property
+    def cmp_block_table(self) -> Tensor:
+        """The compressed block table of a one-geometry metadata."""
+        return self.cmp_table_of(self.only.ratio)
+
+    @property
+    def cmp_slots(self) -> Tensor:
+        """The compressed slot mapping of a one-geometry metadata (all ``-1`` for ratio 0)."""
+        ratio = self.only.ratio
+        return getattr(self, f"cmp_slots_{ratio}") if ratio else torch.full_like(self.swa_slots, -1)
 
     @property
     def positions(self) -> Tensor:
@@ -156,25 +278,48 @@ class StepMetadata(nn.Module):
             self.ints[0, n:bucket].fill_(-1)
         return n
 
-    def apply_pages(self, swa: Optional[PageChanges] = None, cmp: Optional[PageChanges] = None) -> None:
-        """Set block-table entries (``PageChanges`` of :meth:`graphs.PageAllocator.take_changes`;
-        host tensors are copied ``non_blocking``)."""
-        for table, changes in ((self.swa_block_table, swa), (self.cmp_block_table, cmp)):
+    def apply_pages(self, swa: Optional[PageChanges] = None,
+                    cmp: Union[None, PageChanges, dict[int, Optional[PageChanges]]] = None) -> None:
+        """Set block-table entries (``PageChanges`` of :meth:`graphs.PageAllocator.take_changes`:
+        ``cmp`` one table's, or ``{ratio: changes}``; host tensors are copied ``non_blocking``)."""
+        if not isinstance(cmp, dict):
+            cmp = {self.only.ratio: cmp} if cmp is not None else {}
+        for table, changes in ((self.swa_block_table, swa), *((self.cmp_table_of(r), c) for r, c in cmp.items())):
             if changes is not None and changes[0].numel():
                 rows, cols, pages = (c.to(table.device, non_blocking=True) for c in changes)
                 table.index_put_((rows.long(), cols.long()), pages.to(table.dtype))
 
-    def inputs(self, num_tokens: int) -> StepInputs:
-        """:class:`StepInputs` of the first ``num_tokens`` columns; writes the slot mappings
-        into ``swa_slots`` / ``cmp_slots`` (runs inside the compiled step)."""
+    def inputs(self, num_tokens: int, ratio: Optional[int] = None) -> StepInputs:
+        """:class:`StepInputs` of the first ``num_tokens`` columns for geometry ``ratio``
+        (default: the only one), rows and SWA indices included; writes the slot mappings
+        into the buffers (runs inside the compiled step)."""
+        return self.all_inputs(num_tokens, () if ratio is None and len(self.geometries) == 1 else (ratio,))[
+            self.only.ratio if ratio is None else ratio]
+
+    def all_inputs(self, num_tokens: int, ratios: Sequence[int] = ()) -> dict[int, StepInputs]:
+        """``{ratio: StepInputs}`` of every geometry (or of ``ratios``), each derived once:
+        the SWA slots and indices, shared by all, once for the step."""
         T = num_tokens
         # Tell the compiler the slices below are exactly T long (not min(T, max_tokens)),
         # so a dynamic T needs no guards relating the two.
         torch._check(T <= self.max_tokens)
-        inp = step_inputs(
-            self.ints[0, :T], self.ints[1, :T], self.swa_block_table, self.cmp_block_table,
-            self.page_size, self.cmp_block_size, self.compress_ratio, *self.dcp,
-        )
-        self.swa_slots[:T].copy_(inp.swa_slots)
-        self.cmp_slots[:T].copy_(inp.cmp_slots)
-        return inp._replace(swa_slots=self.swa_slots[:T], cmp_slots=self.cmp_slots[:T])
+        positions, token_to_req = self.ints[0, :T], self.ints[1, :T]
+        out: dict[int, StepInputs] = {}
+        swa, first = None, None
+        for ratio in ratios or self.geometries:
+            g = self.geometries[ratio]
+            inp = step_inputs(positions, token_to_req, self.swa_block_table, self.cmp_table_of(ratio), g.page_size,
+                              g.block_size, ratio, *g.dcp)
+            if swa is None:  # the same for every geometry: once per step
+                self.swa_slots[:T].copy_(inp.swa_slots)
+                swa, first = derive(inp._replace(swa_slots=self.swa_slots[:T]), g), ratio
+            cmp_slots = inp.cmp_slots
+            if ratio:
+                buf = getattr(self, f"cmp_slots_{ratio}")
+                buf[:T].copy_(cmp_slots)
+                cmp_slots = buf[:T]
+            rows = swa.rows if ratio == first else swa.rows._replace(
+                n_entries=entry_counts(swa.rows.valid, swa.rows.pos, ratio))
+            out[ratio] = inp._replace(swa_slots=swa.swa_slots, cmp_slots=cmp_slots, rows=rows, swa_idx=swa.swa_idx,
+                                      swa_lens=swa.swa_lens)
+        return out

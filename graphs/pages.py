@@ -62,7 +62,8 @@ class PageAllocator:
 
     Args:
         cache: the layer's geometry (pools, page sizes, ``max_rewind``).
-        ratio: the layer's compress ratio (0: no compressed pages).
+        ratio: the layer's compress ratio (0: no compressed pages), or a stack's compressed
+            ratios (a tuple: one compressed block table per ratio, shared by its layers).
         window: the layer's SWA window (``AttentionConfig.window_size``).
         rank: the layer's DCP rank (its share of the compressed entries gets pages).
         generator: hand pages out in a random order.
@@ -72,23 +73,27 @@ class PageAllocator:
         high: highest position each row has written (``-1``: none).
     """
 
-    def __init__(self, cache: CacheConfig, ratio: int, window: int, *, rank: int = 0,
+    def __init__(self, cache: CacheConfig, ratio: int | Sequence[int], window: int, *, rank: int = 0,
                  generator: Optional[torch.Generator] = None) -> None:
         R = cache.max_requests
-        self.cache, self.ratio, self.window, self.rank = cache, ratio, window, rank
+        self.ratios = tuple(r for r in ((ratio,) if isinstance(ratio, int) else tuple(ratio)) if r)
+        self.single = isinstance(ratio, int)  # take_changes / cmp_table: one table, not a dict
+        self.cache, self.window, self.rank = cache, window, rank
         # host rows of the block tables, as Python lists (indexing a tensor per entry would
         # cost microseconds each on the host path of every step)
+        # kind "swa" or a compressed ratio -> one list per row
         self._rows = {"swa": [[-1] * cache.swa_table_columns() for _ in range(R)],
-                      "cmp": [[-1] * cache.cmp_pages_per_request(ratio) for _ in range(R)]}
-        self.swa_pool = PagePool(cache.swa_num_pages(window), "swa", generator)
-        self.cmp_pool = PagePool(cache.cmp_num_pages(ratio), "cmp", generator)
+                      **{r: [[-1] * cache.cmp_pages_per_request(r) for _ in range(R)] for r in self.ratios}}
+        self._pools = {"swa": PagePool(cache.swa_num_pages(window), "swa", generator),
+                       **{r: PagePool(cache.cmp_num_pages(r), "cmp", generator) for r in self.ratios}}
+        self.swa_pool = self._pools["swa"]
         self.length = [0] * R
         self.high = [-1] * R
         self._swa_low = [0] * R  # lowest SWA column a row may still hold
-        self._cmp_columns = [0] * R  # compressed columns given (a prefix of the row)
+        self._cmp_columns = {r: [0] * R for r in self.ratios}  # compressed columns given (a prefix of the row)
         # (row, column) -> page of the entries changed since take_changes, the last change
         # of an entry winning (one index_put_ of duplicate indices would pick either)
-        self._changes: dict[str, dict[tuple[int, int], int]] = {"swa": {}, "cmp": {}}
+        self._changes: dict = {kind: {} for kind in self._rows}
         self._touched: list[int] = []
 
     @classmethod
@@ -156,14 +161,15 @@ class PageAllocator:
         self._swa_low[row] = low // self.cache.page_size
 
     def _give_run(self, r: int, swa_from: int, end: int) -> None:
-        ps, block = self.cache.page_size, self.cache.block_size(self.ratio)
+        ps = self.cache.page_size
         for col in range(swa_from // ps, (end - 1) // ps + 1):
             self._give(r, col, "swa")
-        if self.ratio:
-            entries = self.cache.local_entries(end // self.ratio, self.rank)  # this rank's share
-            while self._cmp_columns[r] < -(-entries // block):
-                self._give(r, self._cmp_columns[r], "cmp")
-                self._cmp_columns[r] += 1
+        for ratio in self.ratios:
+            block, given = self.cache.block_size(ratio), self._cmp_columns[ratio]
+            entries = self.cache.local_entries(end // ratio, self.rank)  # this rank's share
+            while given[r] < -(-entries // block):
+                self._give(r, given[r], ratio)
+                given[r] += 1
         self.length[r] = end
         self.high[r] = max(self.high[r], end - 1)
 
@@ -187,41 +193,53 @@ class PageAllocator:
             for col, page in enumerate(rows[row]):
                 if page >= 0:
                     self._free(row, col, kind)
-        self.length[row], self.high[row], self._swa_low[row], self._cmp_columns[row] = 0, -1, 0, 0
+        self.length[row], self.high[row], self._swa_low[row] = 0, -1, 0
+        for given in self._cmp_columns.values():
+            given[row] = 0
 
-    def take_changes(self) -> tuple[Optional[PageChanges], Optional[PageChanges]]:
+    def take_changes(self):
         """``(swa, cmp)`` block-table changes since the last call, for
-        :meth:`graphs.StepMetadata.apply_pages` (``None`` where nothing changed)."""
-        out = []
-        for kind in ("swa", "cmp"):
-            changes = [(r, c, page) for (r, c), page in self._changes[kind].items()]
-            out.append(tuple(torch.tensor(v, dtype=torch.int32) for v in zip(*changes)) if changes else None)
+        :meth:`graphs.StepMetadata.apply_pages` (``None`` where nothing changed); ``cmp`` is
+        ``{ratio: changes}`` for an allocator of several ratios."""
+        out = {}
+        for kind, entries in self._changes.items():
+            changes = [(r, c, page) for (r, c), page in entries.items()]
+            out[kind] = tuple(torch.tensor(v, dtype=torch.int32) for v in zip(*changes)) if changes else None
             self._changes[kind] = {}
-        return out[0], out[1]
+        cmp = {r: out[r] for r in self.ratios}
+        return out["swa"], (next(iter(cmp.values()), None) if self.single else cmp)
 
     def pages_held(self) -> tuple[int, int]:
-        """``(SWA, compressed)`` pages in use."""
-        return (self.swa_pool.num_pages - self.swa_pool.num_free, self.cmp_pool.num_pages - self.cmp_pool.num_free)
+        """``(SWA, compressed)`` pages in use (compressed: of every ratio)."""
+        held = {kind: pool.num_pages - pool.num_free for kind, pool in self._pools.items()}
+        return held.pop("swa"), sum(held.values())
 
     @property
     def swa_table(self) -> Tensor:
         """Host copy ``[R, Bs]`` int32 of the SWA block table (``-1`` = no page)."""
         return torch.tensor(self._rows["swa"], dtype=torch.int32)
 
+    def cmp_table_of(self, ratio: int) -> Tensor:
+        """Host copy ``[R, Bc]`` int32 of ratio ``ratio``'s compressed block table (``-1`` = no page)."""
+        cols = self.cache.cmp_pages_per_request(ratio)
+        return torch.tensor(self._rows[ratio], dtype=torch.int32).reshape(len(self.length), cols)
+
     @property
     def cmp_table(self) -> Tensor:
-        """Host copy ``[R, Bc]`` int32 of the compressed block table (``-1`` = no page)."""
-        return torch.tensor(self._rows["cmp"], dtype=torch.int32).reshape(len(self.length), self.cache.cmp_pages_per_request(self.ratio))
+        """Host copy ``[R, Bc]`` int32 of the compressed block table (one ratio; ``[R, 0]`` for none)."""
+        if not self.ratios:
+            return torch.zeros(len(self.length), 0, dtype=torch.int32)
+        return self.cmp_table_of(self.ratios[0])
 
-    def _give(self, row: int, col: int, kind: str) -> None:
+    def _give(self, row: int, col: int, kind) -> None:
         table = self._rows[kind][row]
         if table[col] < 0:
-            table[col] = page = (self.swa_pool if kind == "swa" else self.cmp_pool).take()
+            table[col] = page = self._pools[kind].take()
             self._changes[kind][row, col] = page
 
-    def _free(self, row: int, col: int, kind: str) -> None:
+    def _free(self, row: int, col: int, kind) -> None:
         table = self._rows[kind][row]
         if table[col] >= 0:
-            (self.swa_pool if kind == "swa" else self.cmp_pool).give(table[col])
+            self._pools[kind].give(table[col])
             table[col] = -1
             self._changes[kind][row, col] = -1

@@ -318,8 +318,8 @@ class TestStepGraph(expecttest.TestCase):
         graphs, breaks = _dynamo_graphs(0)
         self.assertEqual((len(graphs), breaks), (1, 0))
         self.assertExpectedInline(dsv41_ops(graphs[0]), """\
-dsv41.write_kv
 dsv41.swa_indices
+dsv41.write_kv
 dsv41.sparse_mla_out""")
 
     def test_every_step_kind_runs_one_indexed_graph(self):
@@ -330,8 +330,8 @@ dsv41.sparse_mla_out""")
         graphs, breaks = _dynamo_graphs(2, workload=workload)
         self.assertEqual((len(graphs), breaks), (1, 0))
         self.assertExpectedInline(dsv41_ops(graphs[0]), """\
-dsv41.write_kv
 dsv41.swa_indices
+dsv41.write_kv
 dsv41.write_kv
 dsv41.write_index_keys
 dsv41.indexer_topk
@@ -343,7 +343,7 @@ dsv41.sparse_mla_out""")
             graphs, breaks = _dynamo_graphs(ratio, max_seq_len)
             self.assertEqual((len(graphs), breaks), (1, 0), f"ratio {ratio}")
             indexer = ["dsv41.write_index_keys", "dsv41.indexer_topk"] if ratio == 4 else []  # 128: dense, no indexer
-            self.assertEqual(dsv41_ops(graphs[0]).split(), ["dsv41.write_kv", "dsv41.swa_indices", "dsv41.write_kv", *indexer,
+            self.assertEqual(dsv41_ops(graphs[0]).split(), ["dsv41.swa_indices", "dsv41.write_kv", "dsv41.write_kv", *indexer,
                                                             "dsv41.topk_to_slots", "dsv41.sparse_mla_out"])
 
 
