@@ -277,7 +277,10 @@ def _indexer_problem(index_format: str, gen: torch.Generator, hole: bool = True)
     weights = torch.randint(-3, 4, (T, Hi), generator=gen).float()
     rows = torch.tensor([0, 1, 2, 1, 3, -1], dtype=i32)
     n = torch.tensor([80, 70, 5, 0, 10, 9], dtype=i32)
+    nb, block = 3, 8
     want = torch.full((T, k), -1, dtype=i32)
+    blocks = torch.full((T, nb), -1, dtype=i32)  # indexer_candidates
+    inside = torch.full((T, k), -1, dtype=i32)  # indexer_topk inside those blocks
     for t in range(T):
         r, count = int(rows[t]), min(int(n[t]), B * page)
         if not 0 <= r < R or count <= 0:
@@ -287,9 +290,17 @@ def _indexer_problem(index_format: str, gen: torch.Generator, hole: bool = True)
         slots = table[r, ids // page].long() * page + ids % page
         score = (torch.einsum("hd,nd->hn", q[t].double(), keys[slots].double()).clamp_min(0)
                  * weights[t].double()[:, None]).sum(0)
-        order = torch.sort(-score, stable=True).indices[:k]
-        want[t, : order.shape[0]] = ids[order].to(i32)
-    return dict(keys=keys, table=table, q=q, weights=weights, rows=rows, n=n, k=k, page=page), want
+        order = torch.sort(-score, stable=True).indices
+        want[t, : min(k, order.shape[0])] = ids[order[:k]].to(i32)
+        best = {(count - 1) // block: float("inf")}  # the newest entry's block is always kept
+        for c, v in zip(ids.tolist(), score.tolist()):
+            best[c // block] = max(best.get(c // block, float("-inf")), v)
+        chosen = sorted(best, key=lambda b: (-best[b], b))[:nb]
+        blocks[t, : len(chosen)] = torch.tensor(chosen, dtype=i32)
+        kept = [c for c in ids[order].tolist() if c // block in chosen][:k]
+        inside[t, : len(kept)] = torch.tensor(kept, dtype=i32)
+    return dict(keys=keys, table=table, q=q, weights=weights, rows=rows, n=n, k=k, page=page, nb=nb, block=block,
+                blocks=blocks, inside=inside), want
 
 
 def check_indexer_topk(index_format: str, gen: torch.Generator, device) -> Row:
@@ -307,6 +318,24 @@ def check_indexer_topk(index_format: str, gen: torch.Generator, device) -> Row:
     error = float((got != want).any(1).sum())
     return Row(f"indexer_topk[{index_format}]", compile_ops.backend_for("indexer", device),
                f"T={T} Hi={Hi} k={p['k']} n<=80", error, 0.0)
+
+
+def check_indexer_candidates(index_format: str, gen: torch.Generator, device) -> Row:
+    """``indexer_candidates`` and ``indexer_topk`` inside its blocks on integer-valued data
+    against float64 block maxima; the error is the number of tokens whose blocks or ids differ."""
+    from compile_ops.indexer.cache import new_index_cache
+
+    p, _ = _indexer_problem(index_format, gen)
+    cache = new_index_cache(index_format, p["keys"].shape[0] // p["page"], p["page"], device=device)
+    compile_ops.write_index_keys(cache, torch.arange(p["keys"].shape[0], device=device), p["keys"].to(device),
+                                 index_format)
+    call = (p["q"].to(device), p["weights"].to(device), cache, p["table"].to(device), p["rows"].to(device),
+            p["n"].to(device))
+    blocks = compile_ops.indexer_candidates(*call, p["nb"], p["block"], index_format)
+    inside = compile_ops.indexer_topk(*call, p["k"], index_format, blocks, p["block"]).cpu()
+    error = float(((blocks.cpu() != p["blocks"]).any(1) | (inside != p["inside"]).any(1)).sum())
+    return Row(f"indexer_candidates[{index_format}]", compile_ops.backend_for("indexer", device),
+               f"T={p['q'].shape[0]} blocks={p['nb']}x{p['block']} k={p['k']}", error, 0.0)
 
 
 def _dcp_indexer_worker(rank: int, world: int, store: str, result_dir: str) -> None:
@@ -333,22 +362,28 @@ def _dcp_indexer_worker(rank: int, world: int, store: str, result_dir: str) -> N
         src = table[r, c // page].long() * page + c % page
         dst = local_table[r, local // page].long() * page + local % page
         compile_ops.write_index_keys(cache, dst, p["keys"][src], "fp8")
-    got = compile_ops.dcp_indexer_topk(p["q"], p["weights"], cache, local_table, p["rows"], p["n"], p["k"], "fp8",
-                                       dist.group.WORLD.group_name, interleave)
+    call = (p["q"], p["weights"], cache, local_table, p["rows"], p["n"])
+    group = dist.group.WORLD.group_name
+    got = compile_ops.dcp_indexer_topk(*call, p["k"], "fp8", group, interleave)
+    blocks = compile_ops.dcp_indexer_candidates(*call, p["nb"], p["block"], "fp8", group, interleave)
+    inside = compile_ops.dcp_indexer_topk(*call, p["k"], "fp8", group, interleave, blocks, p["block"])
+    errors = [(got != want).any(1), (blocks != p["blocks"]).any(1) | (inside != p["inside"]).any(1)]
     with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
-        f.write(repr(float((got != want).any(1).sum())))
+        f.write(" ".join(repr(float(e.sum())) for e in errors))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
 
 
-def check_dcp_indexer_topk(world: int = 2) -> Row:
+def check_dcp_indexer_topk(world: int = 2) -> list[Row]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_dcp_indexer_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world)
-        error = max(float(open(os.path.join(tmp, f"rank{r}")).read()) for r in range(world))
-    return Row("dcp_indexer_topk[fp8]", "gloo", f"world={world} I=2 T=6 k=24", error, 0.0)
+        errors = [[float(e) for e in open(os.path.join(tmp, f"rank{r}")).read().split()] for r in range(world)]
+    topk, candidates = (max(e[i] for e in errors) for i in range(2))
+    return [Row("dcp_indexer_topk[fp8]", "gloo", f"world={world} I=2 T=6 k=24", topk, 0.0),
+            Row("dcp_indexer_candidates[fp8]", "gloo", f"world={world} I=2 T=6 blocks=3x8", candidates, 0.0)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,12 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         rows += [check_sparse_mla("fp8_dsv41", gen, device, into_buffers=True)]
         rows += check_writes(gen, device)
         rows += [check_indexer_topk(f, gen, device) for f in ("bf16", "fp8")]
+        rows += [check_indexer_candidates(f, gen, device) for f in ("bf16", "fp8")]
         rows += [check_fp8_linear(block, gen, device) for block in (128, 32)]
         rows += check_slots(gen, device)
         rows.append(check_lse_combine(gen, device))
         if not args.no_dcp:
             rows.append(check_dcp_combine())
-            rows.append(check_dcp_indexer_topk())
+            rows += check_dcp_indexer_topk()
     header = ("op", "backend", "shapes", "max error", "tolerance", "verdict")
     table = [header] + [(r.op, r.backend, r.shapes, f"{r.error:.2e}", f"{r.tolerance:.1e}", r.verdict) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
