@@ -14,6 +14,9 @@
 * :class:`LayerPlan` (``graphs.plan``) -- which layer owns which shared compressed cache and
   top-k (DeepSeek-V4.1's kv / index / candidate sources), read from a ``config.json``;
   :data:`V41_FLASH_PLAN`.
+* :class:`DSV41Stack` (``graphs.stack``) -- the plan's layers with the residual stream
+  between them, each shared cache, index-key cache and top-k owned once; one step of all
+  layers per ``forward``, one graph per bucket under :class:`StepRunner`.
 * :class:`PageAllocator` / :class:`PagePool` -- host-side pages of the caches' pools, as an
   engine would own them.
 * :class:`LayerStep` / :class:`StepRunner` -- the step as one module; compile, capture one
@@ -33,6 +36,7 @@ from graphs.memory import buffer_bytes
 from graphs.metadata import Geometry, StepInputs, StepMetadata, StepRows, step_inputs
 from graphs.pages import PageAllocator, PagePool
 from graphs.plan import V41_FLASH_PLAN, LayerPlan, LayerRole
+from graphs.stack import DSV41Stack
 from graphs.runner import DEFAULT_BUCKETS, LayerStep, StepRunner, compiled_call, mark_tokens_dynamic
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
     "Compressor",
     "DEFAULT_BUCKETS",
     "DSV41Attention",
+    "DSV41Stack",
     "Fp8Linear",
     "Geometry",
     "Indexer",

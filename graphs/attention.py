@@ -419,9 +419,11 @@ class DSV41Attention(nn.Module):
         self.wo_b = linear(G // N * cfg.o_lora_rank, cfg.dim)
         self.compressor = Compressor(cfg, ratio, D, cfg.overlaps(ratio), cache, device, position_bias=not cfg.v41,
                                      gate=not (cfg.v41 and ratio == 1)) if role.compresses else None
+        # (blocks this layer picks as the candidate source, entries per candidate block)
         candidates = (0, 0)
-        if plan is not None and plan.candidate_source == layer_id:
-            candidates = (plan.candidate_topk_blocks, plan.candidate_block_size)
+        if plan is not None and plan.candidate_source is not None:
+            candidates = (plan.candidate_topk_blocks if plan.candidate_source == layer_id else 0,
+                          plan.candidate_block_size)
         self.uses_candidates = plan is not None and plan.uses_candidates(layer_id)
         self.candidate_block = plan.candidate_block_size if self.uses_candidates else 0
         self.indexer = Indexer(cfg, cache, ratio, device, self.dcp_group, linear, owns_keys=role.compresses,

@@ -94,22 +94,32 @@ def naive_entries(compressor, layer: DSV41Attention, xs: Tensor, rope: bool = Tr
     return _rope(out, torch.arange(groups, device=xs.device) * r, layer) if rope else out
 
 
-def naive_index_scores(layer: DSV41Attention, xs: Tensor, magnitude: bool = False) -> Tensor:
+def naive_index_keys(layer: DSV41Attention, xs: Tensor) -> Tensor:
+    """Index keys ``[S // ratio, 128]`` fp32 of a layer that owns them, from its inputs
+    ``xs [S, dim]``: V4's from the indexer's own compressor, V4.1's ``k_norm(wk(latent))``
+    of the layer's latents, RoPE at each group's first position."""
+    idx, cfg = layer.indexer, layer.cfg
+    if idx.compressor is not None:
+        return naive_entries(idx.compressor, layer, xs)
+    latent = naive_entries(layer.compressor, layer, xs, rope=False)
+    keys = _rms(_linear(latent, idx.wk), idx.k_norm.weight, cfg.norm_eps)
+    return _rope(keys, torch.arange(keys.shape[0], device=xs.device) * layer.compress_ratio, layer)
+
+
+def naive_index_scores(layer: DSV41Attention, xs: Tensor, magnitude: bool = False,
+                       keys: Optional[Tensor] = None) -> Tensor:
     """Indexer scores ``[S, S // ratio]`` of each position against every entry that
     exists there (``-inf`` for entries not yet closed). ``magnitude``: instead, the scale of
     each score's rounding, ``sum_h |w_h| |q_h| |k_c|`` (2-norms, which the layer's Hadamard
-    rotation keeps)."""
+    rotation keeps). ``keys``: the index keys scored against (default: the layer's own,
+    :func:`naive_index_keys`; a DeepSeek-V4.1 index source that does not compress scores
+    its kv source's)."""
     idx, cfg = layer.indexer, layer.cfg
     S = xs.shape[0]
     pos = torch.arange(S, device=xs.device)
     qr = _rms(_linear(xs, layer.wq_a), layer.q_norm.weight, cfg.norm_eps)
     q = _rope(_linear(qr, idx.wq_b).view(S, idx.n_heads, idx.head_dim), pos, layer)
-    if idx.compressor is not None:  # V4: the indexer's own compressor
-        keys = naive_entries(idx.compressor, layer, xs)
-    else:  # V4.1: k_norm(wk(latent)) of the layer's latents, RoPE at each group's first position
-        latent = naive_entries(layer.compressor, layer, xs, rope=False)
-        keys = _rms(_linear(latent, idx.wk), idx.k_norm.weight, cfg.norm_eps)
-        keys = _rope(keys, torch.arange(keys.shape[0], device=xs.device) * layer.compress_ratio, layer)
+    keys = naive_index_keys(layer, xs) if keys is None else keys
     weights = _linear(xs, idx.weights_proj) * (idx.head_dim * idx.n_heads) ** -0.5
     if magnitude:
         score = (q.norm(dim=-1).unsqueeze(-1) * keys.norm(dim=-1) * weights.abs().unsqueeze(-1)).sum(dim=1)
@@ -119,7 +129,8 @@ def naive_index_scores(layer: DSV41Attention, xs: Tensor, magnitude: bool = Fals
     return score.masked_fill(~exists, float("-inf"))
 
 
-def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[Sequence[int]]] = None) -> Tensor:
+def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[Sequence[int]]] = None,
+                  entries: Optional[Tensor] = None) -> Tensor:
     """Outputs ``[S, dim]`` fp32 of one request's tokens at positions ``0 .. S-1``.
 
     The kv rows and compressed entries attention reads are rounded to the cache's
@@ -127,7 +138,9 @@ def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[S
 
     ``chosen[p]`` lists the compressed entry ids position ``p`` attends (default: the
     indexer's top-k by :func:`naive_index_scores`, or every existing entry for a layer
-    without indexer).
+    without indexer). ``entries``: the compressed entries ``[S // ratio, head_dim]`` (with
+    RoPE) attended (default: the layer's own compressor's, :func:`naive_entries`; a
+    DeepSeek-V4.1 reader attends its kv source's).
     """
     cfg, r = layer.cfg, layer.compress_ratio
     S, H, D = xs.shape[0], layer.n_heads, layer.head_dim
@@ -138,7 +151,8 @@ def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[S
         q = _rms(q, None, cfg.norm_eps)
     q = _rope(q, pos, layer)
     kv = _stored(_rope(_rms(_linear(xs, layer.wkv), layer.kv_norm.weight, cfg.norm_eps), pos, layer), layer)
-    entries = _stored(naive_entries(layer.compressor, layer, xs), layer) if r else None
+    if r:
+        entries = _stored(naive_entries(layer.compressor, layer, xs) if entries is None else entries, layer)
     if r and chosen is None:
         if layer.indexer is not None:
             scores = naive_index_scores(layer, xs)
@@ -228,3 +242,179 @@ def oracle_verdict(layer: DSV41Attention, xs: Sequence[Tensor], outs: Sequence[T
                 ok = bool((scores[p, left_out] - bound[p, left_out]).max() <= (scores[p, ids] + bound[p, ids]).min())
             errors += not ok
     return OracleVerdict(tokens, worst, errors, REL_TOL if layer.kv_format == "bf16" else FP8_CACHE_REL_TOL)
+
+
+def _visible(S: int, ratio: int, device) -> Tensor:
+    """``[S]`` entries position ``p`` may see, ``(p + 1) // ratio``."""
+    return (torch.arange(S, device=device) + 1) // ratio
+
+
+def naive_candidates(scores: Tensor, ratio: int, n_blocks: int, block: int) -> list[list[int]]:
+    """DeepSeek-V4.1's candidate blocks of each position from its index scores ``[S, n]``
+    (``-inf`` where not visible): blocks of ``block`` entries by their max score, the block
+    of the newest visible entry always kept, the ``n_blocks`` best (ties to the lower
+    block), blocks with no visible entry dropped."""
+    S, n = scores.shape
+    nb = -(-n // block)
+    padded = torch.cat([scores, scores.new_full((S, nb * block - n), float("-inf"))], 1)
+    best = padded.view(S, nb, block).amax(-1)
+    out = []
+    for p, count in enumerate(_visible(S, ratio, scores.device).tolist()):
+        row = best[p].clone()
+        if count:
+            row[(count - 1) // block] = float("inf")
+        order = sorted(range(nb), key=lambda b: (-row[b].item(), b))[:n_blocks]
+        out.append([b for b in order if row[b] > float("-inf")])
+    return out
+
+
+@dataclass(frozen=True)
+class NaiveStack:
+    """The oracle's run of a stack over one request: ``out [S, dim]`` fp32 (the residual
+    after the last layer); per index source ``l``: ``scores[l] [S, n]`` its index scores
+    (``-inf`` where not visible, and outside its candidate blocks), ``bound[l]`` their
+    rounding scale (:data:`SCORE_ROUNDING` of the magnitudes), ``picks[l]`` the ids each
+    position attended; ``candidates`` the candidate source's blocks per position."""
+
+    out: Tensor
+    scores: dict
+    bound: dict
+    picks: dict
+    candidates: Optional[list]
+
+
+def naive_stack(stack, xs: Tensor, picks: Optional[dict] = None,
+                candidates: Optional[Sequence[Sequence[int]]] = None) -> NaiveStack:
+    """One request's run of :class:`graphs.DSV41Stack` ``stack`` from its full history
+    ``xs [S, dim]`` (positions ``0 .. S-1``), in fp32, each layer unshared: every kv source
+    computes its compressed entries and index keys from its own inputs, and every later
+    layer is fed the most recent source's explicitly (entries, keys, top-k ids, candidate
+    blocks), as DeepSeek-V4.1's reference passes them from layer to layer.
+
+    ``picks[l]`` / ``candidates``: teacher forcing, the ids index source ``l`` attended and
+    the candidate source's blocks per position (the layer's own, from a run): near-tied
+    scores pick other entries than the oracle's, and later layers would then see other
+    inputs; default the oracle's own top-k.
+    """
+    plan, cfg = stack.plan, stack.cfg
+    S = xs.shape[0]
+    h = xs.float()
+    entries, keys, chosen, scores_of, bound_of = {}, {}, {}, {}, {}
+    given = dict(picks or {})
+    blocks = None if candidates is None else [list(b) for b in candidates]
+    for block in stack.blocks:
+        layer = block.attn
+        role, r = layer.role, layer.compress_ratio
+        x = _rms(h, block.attn_norm.weight, cfg.norm_eps).to(torch.bfloat16)
+        if role.compresses:
+            entries[role.layer_id] = naive_entries(layer.compressor, layer, x)
+            if layer.indexer is not None:
+                keys[role.layer_id] = naive_index_keys(layer, x)
+        if layer.indexer is not None:
+            k_src = keys[role.kv_source]
+            scores = naive_index_scores(layer, x, keys=k_src)
+            bound = naive_index_scores(layer, x, magnitude=True, keys=k_src) * SCORE_ROUNDING[layer.indexer.index_format]
+            if layer.candidate_ids is not None and blocks is None:
+                blocks = naive_candidates(scores, r, layer.indexer.n_blocks, layer.indexer.block)
+            if layer.uses_candidates:
+                allowed = torch.zeros_like(scores, dtype=torch.bool)
+                for p, bs in enumerate(blocks):
+                    for b in bs:
+                        allowed[p, b * layer.candidate_block : (b + 1) * layer.candidate_block] = True
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            scores_of[role.layer_id], bound_of[role.layer_id] = scores, bound
+            if role.layer_id not in given:
+                k = min(layer.indexer.topk, scores.shape[1])
+                given[role.layer_id] = [[c for c in scores[p].topk(k).indices.tolist() if scores[p, c] > float("-inf")]
+                                        for p in range(S)]
+            chosen[role.layer_id] = given[role.layer_id]
+        ids = None
+        if r:
+            ids = (chosen[role.index_source] if role.index_source is not None
+                   else [list(range(n)) for n in _visible(S, r, xs.device).tolist()])
+        out = naive_outputs(layer, x, ids, entries[role.kv_source] if r else None)
+        h = h + out
+        if block.ffn is not None:
+            h = h + block.ffn(h)
+    return NaiveStack(h, scores_of, bound_of, chosen, blocks)
+
+
+def _picks_ok(ids: list, scores: Tensor, bound: Tensor, k: int) -> bool:
+    """Whether ``ids`` are a top-``k`` of one position's ``scores`` up to ``bound``."""
+    visible = (scores > float("-inf")).nonzero().flatten().tolist()
+    if len(ids) != min(len(visible), k) or len(set(ids)) != len(ids) or not set(ids) <= set(visible):
+        return False
+    left_out = sorted(set(visible) - set(ids))
+    return not left_out or bool((scores[left_out] - bound[left_out]).max() <= (scores[ids] + bound[ids]).min())
+
+
+@dataclass(frozen=True)
+class StackVerdict:
+    """How a run of a stack agrees with :func:`naive_stack`: ``tokens`` compared,
+    ``max_rel_diff`` of the final residual relative to the oracle's largest ``|h|`` (given
+    the stack's own picks), ``pick_errors[l]`` tokens whose picks at index source ``l`` the
+    oracle's scores rule out, ``candidate_errors`` tokens whose candidate blocks they rule
+    out."""
+
+    tokens: int
+    max_rel_diff: float
+    pick_errors: dict
+    candidate_errors: int
+    tolerance: float = REL_TOL
+
+    @property
+    def passed(self) -> bool:
+        return not any(self.pick_errors.values()) and not self.candidate_errors and self.max_rel_diff <= self.tolerance
+
+    def verdict(self) -> str:
+        bad = {l: n for l, n in self.pick_errors.items() if n}
+        picks = f", pick errors {bad}" if bad else ""
+        cands = f", {self.candidate_errors} token(s) with wrong candidate blocks" if self.candidate_errors else ""
+        return (f"{'PASS' if self.passed else 'FAIL'}: {self.tokens} tokens through {len(self.pick_errors)} index "
+                f"layers against the layer-by-layer oracle, largest difference {self.max_rel_diff:.2e} of max |h| "
+                f"(tolerance {self.tolerance:g}){picks}{cands}")
+
+
+def stack_verdict(stack, xs: Sequence[Tensor], outs: Sequence[Tensor], topk: dict,
+                  candidates: Optional[Sequence[Tensor]] = None) -> StackVerdict:
+    """Compare each request's outputs ``outs[q] [n_q, dim]`` of a stack (its hidden states
+    ``xs[q]``) with :func:`naive_stack`, teacher-forced with the stack's own picks:
+    ``topk[l][q] [n_q, K]`` of each index source ``l`` and ``candidates[q]`` the candidate
+    source's blocks (e.g. ``run_workload(..., watch={l: layer.topk_ids, ...})``)."""
+    plan = stack.plan
+    tokens, worst, cand_errors = 0, 0.0, 0
+    errors = {l: 0 for l in topk}
+    for q, x in enumerate(xs):
+        picks = {l: [[c for c in row if c >= 0] for row in ids[q].tolist()] for l, ids in topk.items()}
+        blocks = None if candidates is None else [[b for b in row if b >= 0] for row in candidates[q].tolist()]
+        run = naive_stack(stack, x, picks, blocks)
+        tokens += x.shape[0]
+        worst = max(worst, ((outs[q].float() - run.out).abs().max() / run.out.abs().max()).item())
+        for l in topk:
+            layer = stack.layers[l]
+            for p, ids in enumerate(picks[l]):
+                errors[l] += not _picks_ok(ids, run.scores[l][p], run.bound[l][p], layer.indexer.topk)
+        if blocks is not None:
+            src = stack.layers[plan.candidate_source]
+            scores, bound = run.scores[plan.candidate_source], run.bound[plan.candidate_source]
+            n_blocks, size = src.indexer.n_blocks, src.indexer.block
+            for p, bs in enumerate(blocks):
+                cand_errors += not _candidates_ok(bs, scores[p], bound[p], n_blocks, size)
+    tol = REL_TOL if stack.cache_cfg.kv_format == "bf16" else FP8_CACHE_REL_TOL
+    return StackVerdict(tokens, worst, errors, cand_errors, tol)
+
+
+def _candidates_ok(blocks: list, scores: Tensor, bound: Tensor, n_blocks: int, size: int) -> bool:
+    """Whether ``blocks`` are a valid candidate set of one position (the newest visible
+    entry's block in it, and no left-out block's max surely above a kept one's)."""
+    visible = (scores > float("-inf")).nonzero().flatten()
+    if not visible.numel():
+        return blocks == []
+    newest = int(visible.max()) // size
+    have = sorted({int(c) // size for c in visible})
+    if newest not in blocks or len(blocks) != min(n_blocks, len(have)) or not set(blocks) <= set(have):
+        return False
+    top = {b: (scores[b * size : (b + 1) * size].max(), bound[b * size : (b + 1) * size].max()) for b in have}
+    kept = [top[b][0] + top[b][1] for b in blocks if b != newest]
+    left = [top[b][0] - top[b][1] for b in have if b not in blocks]
+    return not kept or not left or max(left) <= min(kept)

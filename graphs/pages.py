@@ -98,8 +98,12 @@ class PageAllocator:
 
     @classmethod
     def for_layer(cls, layer, *, generator: Optional[torch.Generator] = None) -> "PageAllocator":
-        return cls(layer.cache_cfg, layer.compress_ratio, layer.cfg.window_size, rank=layer.dcp_rank,
-                   generator=generator)
+        """The pages of a :class:`graphs.DSV41Attention` (its ratio), or of a
+        :class:`graphs.DSV41Stack` (one compressed table per ratio of its layers)."""
+        geometries = layer.geometries()
+        g = geometries[0]
+        ratio = g.ratio if len(geometries) == 1 else tuple(x.ratio for x in geometries)
+        return cls(layer.cache_cfg, ratio, g.window, rank=g.dcp[0], generator=generator)
 
     def runs(self, positions: Sequence[int] | Tensor, token_to_req: Sequence[int] | Tensor) -> list[tuple[int, int, int]]:
         """The step's ``(row, first position, tokens)`` per request, after checking its layout."""

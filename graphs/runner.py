@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -28,20 +28,27 @@ from graphs.attention import DSV41Attention
 from graphs.metadata import StepMetadata
 from graphs.pages import PageAllocator
 
+if TYPE_CHECKING:
+    from graphs.stack import DSV41Stack
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 class LayerStep(nn.Module):
-    """``forward(x [T, dim]) -> [T, dim]``: one step of ``layer`` on ``meta``'s first
-    ``T`` columns (``T`` from ``x.shape[0]``)."""
+    """``forward(x [T, dim]) -> [T, dim]``: one step of ``layer`` (a
+    :class:`graphs.DSV41Attention` or a :class:`graphs.DSV41Stack`) on ``meta``'s first
+    ``T`` columns (``T`` from ``x.shape[0]``), every geometry's inputs derived once."""
 
-    def __init__(self, layer: DSV41Attention, meta: StepMetadata) -> None:
+    def __init__(self, layer: Union[DSV41Attention, "DSV41Stack"], meta: StepMetadata) -> None:
         super().__init__()
         self.layer = layer
         self.meta = meta
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.layer(x, self.meta.inputs(x.shape[0]))
+        T = x.shape[0]
+        if isinstance(self.layer, DSV41Attention):
+            return self.layer(x, self.meta.inputs(T))
+        return self.layer(x, self.meta.all_inputs(T))
 
 
 def _size_oblivious():
@@ -72,7 +79,8 @@ class StepRunner:
     """Compile, capture and replay ``layer``'s step per token bucket; run larger steps compiled.
 
     Args:
-        layer: the attention layer (its caches are mutated by every valid step).
+        layer: the attention layer, or a :class:`graphs.DSV41Stack` (the whole stack is one
+            graph per bucket); its caches are mutated by every valid step.
         buckets: step sizes (tokens) to capture as CUDA graphs (those ``<= max_tokens``
             are kept); a step of ``n`` tokens runs the smallest bucket ``>= n``, a larger one
             (up to ``max_tokens``) runs compiled without a graph at its own size.
@@ -99,7 +107,7 @@ class StepRunner:
 
     def __init__(
         self,
-        layer: DSV41Attention,
+        layer: Union[DSV41Attention, "DSV41Stack"],
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         *,
         pages: Optional[PageAllocator] = None,
@@ -117,7 +125,7 @@ class StepRunner:
         self.module = LayerStep(layer, self.meta)
         self.compiled = compile
         self.fn = torch.compile(self.module, fullgraph=True, backend=backend) if compile else self.module
-        device = layer.swa_cache.device
+        device = layer.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.x = torch.zeros(max_tokens, layer.cfg.dim, dtype=torch.bfloat16, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

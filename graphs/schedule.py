@@ -13,7 +13,7 @@ outputs gathered into one device buffer, so the loop itself never syncs with the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -121,7 +121,7 @@ def hidden_states(workload: Workload, dim: int, seed: int = 0, device=None, scal
 
 
 def run_workload(
-    step_fn: StepFn, workload: Workload, xs: list[Tensor], *, watch: Optional[Tensor] = None,
+    step_fn: StepFn, workload: Workload, xs: list[Tensor], *, watch: Union[None, Tensor, dict[str, Tensor]] = None,
     release: Optional[Callable[[int], None]] = None, sync_debug: Optional[str] = None,
     steps: Optional[range] = None, seed: int = 0,
 ) -> tuple[list[Tensor], Optional[list[Tensor]]]:
@@ -132,7 +132,7 @@ def run_workload(
     ``seed``). Returns each request's outputs ``[lengths[q], dim]`` fp32, position ``p``
     taken from the step whose accepted tokens last covered ``p``, and, when ``watch`` (a
     ``[max_tokens, ...]`` buffer the step writes, e.g. ``layer.topk_ids``) is given, its
-    rows likewise. ``release(row)`` is called after a request's last step. ``sync_debug``
+    rows likewise (``watch`` a dict of buffers: a dict of such lists). ``release(row)`` is called after a request's last step. ``sync_debug``
     (e.g. ``"error"``) sets ``torch.cuda.set_sync_debug_mode`` for the loop alone. ``steps``
     runs only those steps (positions they do not cover stay zero).
     """
@@ -159,15 +159,16 @@ def run_workload(
         staged.append((torch.cat(parts), torch.tensor(positions, dtype=torch.int32),
                        torch.tensor(rows, dtype=torch.int32), torch.tensor(where).to(device), chunks))
     out = torch.zeros(dump + 1, dim, dtype=torch.float32, device=device)
-    seen = None if watch is None else torch.zeros(dump + 1, *watch.shape[1:], dtype=watch.dtype, device=device)
+    buffers = {} if watch is None else watch if isinstance(watch, dict) else {None: watch}
+    seen = {k: torch.zeros(dump + 1, *w.shape[1:], dtype=w.dtype, device=device) for k, w in buffers.items()}
     if sync_debug is not None:
         torch.cuda.set_sync_debug_mode(sync_debug)
     try:
         for x, positions, rows, where, chunks in staged:
             n = x.shape[0]
             out.index_copy_(0, where, step_fn(x, positions, rows).float())
-            if seen is not None:
-                seen.index_copy_(0, where, watch[:n])
+            for k, w in buffers.items():
+                seen[k].index_copy_(0, where, w[:n])
             if release is not None:
                 for c in chunks:
                     if c.last:
@@ -176,5 +177,7 @@ def run_workload(
         if sync_debug is not None:
             torch.cuda.set_sync_debug_mode(0)
     outputs = [out[offsets[q] : offsets[q + 1]] for q in range(len(workload.lengths))]
-    watched = None if seen is None else [seen[offsets[q] : offsets[q + 1]] for q in range(len(workload.lengths))]
+    watched = {k: [v[offsets[q] : offsets[q + 1]] for q in range(len(workload.lengths))] for k, v in seen.items()}
+    if not isinstance(watch, dict):
+        watched = watched.get(None)
     return outputs, watched
