@@ -1,5 +1,5 @@
-"""The attention layer under DCP over 2 and 4 gloo processes (CPU): every ratio, interleave
-1 and 4, a mixed workload (chunked prefill, decode, drafts with rejections, rows reused)
+"""The attention layer, and a DeepSeek-V4.1 stack of every layer role, under DCP over 2 and 4
+gloo processes (CPU): every ratio, interleave 1 and 4, a mixed workload (chunked prefill, decode, drafts with rejections, rows reused)
 equal to the DCP=1 layer built from the same full weights, step by step; each rank holds
 1/N of the compressed and index-key caches; the compiled DCP step has no graph break; a
 rank built with another config is refused at construction on every rank; a rank that
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import gloo_group
 
-from graphs import TINY, CacheConfig, DSV41Attention, StepRunner, buffer_bytes
+from graphs import TINY, TINY_V41, CacheConfig, DSV41Attention, DSV41Stack, LayerPlan, StepRunner, buffer_bytes
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
 pytestmark = pytest.mark.distributed
@@ -138,3 +138,50 @@ def test_a_dead_or_stalled_rank_makes_the_others_raise_within_the_timeout(tmp_pa
     outcome = (tmp_path / "out").read_text()
     assert outcome.startswith("raised after"), outcome
     assert float(outcome.split()[2]) < 30, outcome
+
+
+V41_CFG = replace(TINY_V41, n_heads=8, o_groups=4)
+# every role: SWA; kv + index sources of ratios 2 and 1 (the latter the candidate source);
+# readers; an index source inside the candidates that does not compress
+PLAN = LayerPlan.from_lists([0, 2, 2, 1, 1, 1], kv_sources=[1, 3], index_sources=[1, 3, 4],
+                            candidate_source=3, candidate_topk_blocks=3, candidate_block_size=4)
+
+
+def serve_stack(stack):
+    runner = StepRunner(stack, (1, 2, 4, 8), compile=False)
+    work = workload(1)
+    xs = hidden_states(work, V41_CFG.dim, seed=1)
+    watch = {l: stack.layers[l].topk_ids for l in (1, 3, 4)}
+    watch["candidates"] = stack.layers[3].candidate_ids
+    with torch.no_grad():
+        outs, seen = run_workload(runner.step, work, xs, watch=watch, release=runner.release)
+    return xs, outs, {l: seen[l] for l in (1, 3, 4)}, seen["candidates"]
+
+
+def stack_worker(rank, world, store, interleave):
+    """The DCP stack against the layer-by-layer oracle (given its own picks), and its picks
+    against the DCP=1 stack's: the heads' partial attentions merge in another order, so the
+    residual rounds differently from the first layer on and near-tied picks may flip (a
+    flipped pick then changes later layers' inputs, so outputs are compared to the oracle)."""
+    from graphs.naive import stack_verdict
+
+    with gloo_group(rank, world, store) as group:
+        cache = cache_for(2, world, interleave)
+        single = DSV41Stack(V41_CFG, replace(cache, dcp_world=1, dcp_interleave=1), PLAN, seed=7)
+        stack = DSV41Stack(V41_CFG, cache, PLAN, seed=7, dcp_group=group)
+        stack.load_state_dict(single.state_dict())  # full weights, each layer shards its own
+        xs, outs, topk, candidates = serve_stack(stack)
+        verdict = stack_verdict(single, xs, outs, topk, candidates)  # the oracle reads full weights
+        assert verdict.passed, f"rank {rank}: {verdict.verdict()}"
+        _, _, want, _ = serve_stack(single)
+        for l in topk:
+            same = torch.cat([(topk[l][q].sort(1).values == want[l][q].sort(1).values).all(1) for q in range(len(xs))])
+            assert same.float().mean() >= 0.85, f"rank {rank} layer {l}: {same.float().mean():.0%} same picks"
+        for i in (1, 3):  # the kv sources' caches: 1/N each
+            assert stack.layers[i].cmp_cache.numel() * world == single.layers[i].cmp_cache.numel()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("interleave", [1, 4], ids=["I=1", "I=4"])
+def test_dcp_stack_equals_the_single_rank_stack(tmp_path, interleave):
+    mp.spawn(stack_worker, args=(2, str(tmp_path / "store"), interleave), nprocs=2)
