@@ -26,6 +26,7 @@ Examples::
     python -m graphs                                   # CPU: tiny; GPU: V4.1-Flash
     python -m graphs --plot docs/performance-decode.png --json out.json
     python -m graphs --dcp 2 --interleave 4           # CPU: 2 gloo processes
+    python -m graphs --stack                           # a DeepSeek-V4.1 stack of every layer kind
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                    help="projection weights: bf16, or DeepSeek's block-scaled fp8 (the preset's weight_block), checked against the bf16 "
                         "layer with the dequantized weights (the tiny config then has o_lora_rank 128) (default: bf16)")
+    p.add_argument("--stack", action="store_true",
+                   help="serve a DeepSeek-V4.1 stack of every layer kind instead (graphs.stack_job)")
     p.add_argument("--dcp", type=int, default=1,
                    help="serve the workload under DCP over this many processes (gloo on CPU, NCCL on GPUs, one "
                         "GPU each) and check it against the DCP=1 layer (default: 1, no DCP)")
@@ -415,6 +418,16 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
     if args.dcp > 1:
         return run_dcp(args)
+    if args.stack:
+        from graphs.stack_job import run_stack
+
+        with compile_ops.use_backends(**backend_choice(args.backend)):
+            info = run_stack(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"stack": info}, f, indent=1)
+        print(f"\n{'PASS' if info['passed'] else 'FAIL'}: the V4.1 stack against the layer-by-layer oracle")
+        return 0 if info["passed"] else 1
     results = {}
     for ratio in args.ratios:
         with compile_ops.use_backends(**backend_choice(args.backend)):

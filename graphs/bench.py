@@ -55,11 +55,10 @@ def fill_random(layer: DSV41Attention, seed: int = 0) -> None:
     """Fill bf16 caches and the index keys with random rows, so a step at a late position
     attends a full window and a top-k chosen among many real scores."""
     gen = torch.Generator(device=layer.swa_cache.device).manual_seed(seed)
-    for name in ("swa_cache", "cmp_cache"):
-        buf = layer.get_buffer(name)
+    for buf in (layer.swa_cache, layer.cmp_cache):
         if buf is not None and buf.dtype == torch.bfloat16:
             buf.normal_(generator=gen)
-    if layer.indexer is not None:  # quantized like real keys: random bytes would not be
+    if layer.indexer is not None and layer.indexer.index_cache is not None:  # quantized like real keys
         keys = layer.indexer.index_cache
         n = keys.shape[0] * keys.shape[1]
         for start in range(0, n, 1 << 20):

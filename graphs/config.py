@@ -305,10 +305,11 @@ def _check_int(name: str, value, least: int) -> None:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
+# DeepSeek-V4.1-Flash's attention (its config.json; DeepSeek-V4.1's layer kinds)
 V41_FLASH = AttentionConfig(
     name="V4.1-Flash", dim=5120, n_heads=64, q_lora_rank=1280, o_lora_rank=1024, o_groups=8,
     window_size=128, index_n_heads=32, index_head_dim=128, index_topk=512, compress_ratios=(0, 1, 2),
-    weight_block=32,
+    overlap_ratios=(), dense_ratios=(), weight_block=32, arch="v4.1", norm_eps=1e-20,
 )
 V4_FLASH = AttentionConfig(
     name="V4-Flash", dim=4096, n_heads=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8,

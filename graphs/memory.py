@@ -10,7 +10,10 @@ from __future__ import annotations
 from compile_ops.formats import get_format
 from compile_ops.indexer.cache import INDEX_DIM, get_index_format
 from compile_ops.mla.plan import workspace_bytes
+from typing import Optional, Sequence
+
 from graphs.config import AttentionConfig, CacheConfig
+from graphs.plan import LayerPlan, LayerRole
 
 FP32 = 4
 
@@ -30,8 +33,13 @@ def _compressor_split(cfg: AttentionConfig, ratio: int, head_dim: int) -> int:
     return 2 * projections * (2 if cfg.overlaps(ratio) else 1) * head_dim * cfg.dim * 2
 
 
-def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="cpu") -> dict[str, int]:
-    """Bytes of each buffer group of the layer (``device`` sizes the split-K workspace).
+def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="cpu",
+                 role: Optional[LayerRole] = None, candidate_blocks: int = 0) -> dict[str, int]:
+    """Bytes of each buffer group of the layer (``device`` sizes the split-K workspace);
+    ``role``: its place in a :class:`graphs.LayerPlan` (default: it owns its cache and
+    top-k), where only a kv source holds the compressed and index-key caches and the
+    compressor, only an index source (or a dense layer) the top-k buffer, and the candidate
+    source ``candidate_blocks`` more int32 per step token.
 
     * ``swa_cache``: ``swa_pages * page_size * bytes_per_token(kv_format)``, the pool
       (default ``CacheConfig.default_swa_pages``: every row's window plus one step)
@@ -40,26 +48,49 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="c
     * ``compressor_state``: the compressors' ``(R + 1)``-row fp32 state rings (main and indexer)
     * ``compressor_split``: the compressors' projections as bf16 high and low parts
     * ``step_scratch``: ``topk_ids [max_tokens, K]`` int32, the RoPE tables
-      ``2 * max_seq_len * rope_dim / 2`` fp32, the Hadamard matrix, ``sparse_mla``'s workspace
+      ``2 * max_seq_len * rope_dim / 2`` fp32, the Hadamard matrix, ``sparse_mla``'s workspace,
+      ``candidate_ids [max_tokens, candidate_blocks]`` int32
     """
+    compresses = bool(ratio) and (role is None or role.compresses)
+    owns_ids = bool(ratio) and (role is None or role.indexes or role.index_source is None)
     kv = get_format(cache.kv_format).bytes_per_token
     out = {"swa_cache": cache.swa_num_pages(cfg.window_size) * cache.page_size * kv, "cmp_cache": 0, "index_cache": 0,
            "compressor_state": 0, "compressor_split": 0}
     topk = 0
-    if ratio:
+    if compresses:
         entries = cache.cmp_num_pages(ratio) * cache.block_size(ratio)
         out["cmp_cache"] = entries * kv
         out["compressor_state"] = _compressor_state(cfg, cache, ratio, cfg.head_dim)
         out["compressor_split"] = _compressor_split(cfg, ratio, cfg.head_dim)
-        topk = cache.max_entries(ratio)
         if cfg.has_indexer(ratio):
             out["index_cache"] = entries * get_index_format(cache.index_format).bytes_per_token
             if not cfg.v41:  # V4's indexer has a compressor of its own; V4.1's reads the latent
                 out["compressor_state"] += _compressor_state(cfg, cache, ratio, INDEX_DIM)
                 out["compressor_split"] += _compressor_split(cfg, ratio, INDEX_DIM)
-            topk = min(cfg.index_topk, topk)
-    rotation = INDEX_DIM * INDEX_DIM * 2 if ratio and cfg.has_indexer(ratio) and not cfg.v41 else 0
+    if owns_ids:
+        topk = min(cfg.index_topk, cache.max_entries(ratio)) if cfg.has_indexer(ratio) else cache.max_entries(ratio)
+    rotation = INDEX_DIM * INDEX_DIM * 2 if compresses and cfg.has_indexer(ratio) and not cfg.v41 else 0
     rope = 2 * cache.max_seq_len * (cfg.rope_head_dim // 2) * FP32
-    out["step_scratch"] = cache.max_tokens * topk * 4 + rope + rotation + workspace_bytes(device)
+    out["step_scratch"] = (cache.max_tokens * (topk + candidate_blocks) * 4 + rope + rotation
+                           + workspace_bytes(device))
     out["total"] = sum(out.values())
+    return out
+
+
+def stack_buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, plan: LayerPlan,
+                       layer_ids: Optional[Sequence[int]] = None, device="cpu") -> dict[str, int]:
+    """Bytes of each buffer group of ``DSV41Stack(cfg, cache, plan, layer_ids)``, summed over
+    its layers (:func:`buffer_bytes` of each by its role: a shared cache counted once, at its
+    source), and ``per_layer``: each layer's total."""
+    ids = range(len(plan.layers)) if layer_ids is None else sorted(set(layer_ids))
+    out: dict = {}
+    per_layer = {}
+    for i in ids:
+        role = plan.layers[i]
+        blocks = plan.candidate_topk_blocks if plan.candidate_source == i else 0
+        layer = buffer_bytes(cfg, cache, role.ratio, device, role, blocks)
+        for k, v in layer.items():
+            out[k] = out.get(k, 0) + v
+        per_layer[i] = layer["total"]
+    out["per_layer"] = per_layer
     return out

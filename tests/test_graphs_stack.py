@@ -59,6 +59,11 @@ def test_the_stack_owns_each_shared_part_once():
     assert stack.layers[4].candidate_ids.shape == (CACHE.max_tokens, 3)
     ptrs = [b.data_ptr() for b in stack.buffers()]
     assert len(ptrs) == len(set(ptrs))  # no cache is held twice
+    from graphs.memory import stack_buffer_bytes
+
+    want = stack_buffer_bytes(TINY_V41, CACHE, PLAN)  # the documented formula, per layer and in all
+    got = {i: sum(b.numel() * b.element_size() for b in l.buffers()) for i, l in stack.layers.items()}
+    assert want["per_layer"] == got and want["total"] == sum(got.values())
 
 
 def test_stack_equals_the_layer_by_layer_oracle():
