@@ -85,8 +85,9 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                    help="projection weights: bf16, or DeepSeek's block-scaled fp8 (the preset's weight_block), checked against the bf16 "
                         "layer with the dequantized weights (the tiny config then has o_lora_rank 128) (default: bf16)")
-    p.add_argument("--stack", action="store_true",
-                   help="serve a DeepSeek-V4.1 stack of every layer kind instead (graphs.stack_job)")
+    p.add_argument("--stack", nargs="?", const="slice", choices=("slice", "all"),
+                   help="serve a DeepSeek-V4.1 stack instead (graphs.stack_job): one layer of every kind, or "
+                        "'all' of V4.1-Flash's 40 layers (GPU)")
     p.add_argument("--dcp", type=int, default=1,
                    help="serve the workload under DCP over this many processes (gloo on CPU, NCCL on GPUs, one "
                         "GPU each) and check it against the DCP=1 layer (default: 1, no DCP)")

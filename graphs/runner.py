@@ -208,8 +208,10 @@ class StepRunner:
         self.trace()
         self.pages.plan(positions, token_to_req)
         swa, cmp = self.pages.take_changes()
-        positions, token_to_req, swa, cmp = self._to_device(positions, token_to_req, swa, cmp)
-        self.meta.apply_pages(swa, cmp)
+        ratios = list(cmp) if isinstance(cmp, dict) else None  # a stack: one table per ratio
+        tables = [cmp[r] for r in ratios] if ratios is not None else [cmp]
+        positions, token_to_req, swa, *tables = self._to_device(positions, token_to_req, swa, *tables)
+        self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
         self.meta.update(positions, token_to_req, bucket=size)
         self.x[:n].copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:

@@ -1,8 +1,9 @@
 """``python -m graphs --stack``: serve a mixed workload through a DeepSeek-V4.1 stack, check
 it against the layer-by-layer oracle, and (on a GPU) time decode per layer kind.
 
-GPU: V4.1-Flash's attention (:data:`graphs.V41_FLASH`, fp8_dsv41 caches) in the slice of
-:data:`graphs.V41_FLASH_PLAN` that keeps one layer of every kind -- layer 0 (sliding only),
+GPU: V4.1-Flash's attention (:data:`graphs.V41_FLASH`, fp8_dsv41 caches), all 40 layers of
+:data:`graphs.V41_FLASH_PLAN` (``--stack all``) or the slice that keeps one layer of every
+kind (``--stack``) -- layer 0 (sliding only),
 2 (kv + index source, ratio 2), 3 (its reader), 20 (kv + index source of ratio 1 and the
 candidate source), 21 (its reader), 24 (an index source that picks inside 20's candidate
 blocks and reads 20's cache), 25 (a reader of 24's ids) -- compiled whole and captured as
@@ -39,15 +40,17 @@ TINY_KINDS = {"SWA only": (0, 1), "kv+index source, ratio 2": (1, 1), "reader, r
               "kv+index+candidate source, ratio 1": (4, 1), "reader, ratio 1": (5, 1),
               "index source in candidates": (6, 1), "reader of an index source": (7, 1)}
 BATCHES = (1, 64, 256)
+INDEXER_KERNELS = ("_scores_kernel", "_hist_kernel", "_select_kernel", "_gather_kernel", "_sort_kernel")
 CONTEXT = 1024
 
 
-def build(device, kv_format: str):
-    """``(stack, buckets, kinds)`` of the job on ``device``."""
+def build(device, kv_format: str, every_layer: bool = False):
+    """``(stack, buckets, kinds)`` of the job on ``device`` (``every_layer``: V4.1-Flash's 40
+    layers, not the slice)."""
     if device.type == "cuda":
         cache = CacheConfig(max_requests=256, max_tokens=512, max_seq_len=2048, page_size=64, kv_format=kv_format,
                             max_rewind=3)
-        ids = [layer_id for layer_id, _ in FLASH_KINDS.values()]
+        ids = list(range(40)) if every_layer else [layer_id for layer_id, _ in FLASH_KINDS.values()]
         return DSV41Stack(V41_FLASH, cache, V41_FLASH_PLAN, ids, device), [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], \
             FLASH_KINDS
     cache = CacheConfig(4, 16, 64, 4, kv_format=kv_format, max_rewind=3)
@@ -90,7 +93,10 @@ def kernels_of(graph: "torch.cuda.CUDAGraph", iters: int = 3) -> dict:
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     top: list = []
     us = kernel_time(graph.replay, iters, top)
-    return {"kernels": round(len(events) / iters), "kernel_us": round(us, 1), "top": top[:5]}
+    names = {e.name for e in events}
+    # the compressor's and indexer's own kernels: a reader's part of the profile has none
+    own = sorted(n for n in names if any(k in n for k in INDEXER_KERNELS))
+    return {"kernels": round(len(events) / iters), "kernel_us": round(us, 1), "top": top[:5], "indexer_kernels": own}
 
 
 @torch.no_grad()
@@ -124,11 +130,12 @@ def time_kinds(runner: StepRunner, kinds: dict, iters: int) -> list[dict]:
         row["model_40_layers_us"] = round(row["metadata_us"] + sum(
             row["kinds"][k]["replay_us"] * n for k, (_, n) in kinds.items()), 1)
         rows.append(row)
-        print(f"  batch {b}: stack slice replay {row['stack_replay_us']} us ({row['stack']['kernels']} kernels), "
+        print(f"  batch {b}: stack replay {row['stack_replay_us']} us ({row['stack']['kernels']} kernels), "
               f"metadata {row['metadata_us']} us ({row['metadata']['kernels']} kernels); 40 layers ~ "
               f"{row['model_40_layers_us']} us", flush=True)
         for kind, k in row["kinds"].items():
-            print(f"    {kind:36s} layer {k['layer']:2d}: {k['replay_us']:8.1f} us, {k['kernels']:3d} kernels", flush=True)
+            print(f"    {kind:36s} layer {k['layer']:2d}: {k['replay_us']:8.1f} us, {k['kernels']:3d} kernels"
+                  f"{', indexer kernels ' + ','.join(k['indexer_kernels']) if k['indexer_kernels'] else ''}", flush=True)
     return rows
 
 
@@ -141,7 +148,7 @@ def run_stack(args) -> dict:
     def say(what):
         print(f"  [stack, {time.perf_counter() - start:5.1f} s] {what}", flush=True)
 
-    stack, buckets, kinds = build(device, args.kv_format)
+    stack, buckets, kinds = build(device, args.kv_format, args.stack == "all")
     say(f"built {stack.extra_repr()}")
     memory = stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan, stack.layer_ids, device)
     held = sum(b.numel() * b.element_size() for b in stack.buffers())
@@ -156,7 +163,8 @@ def run_stack(args) -> dict:
         say(f"compiling the whole stack (fullgraph=True){' and capturing %d CUDA graphs' % len(buckets) if cuda else ''}")
         runner.capture() if cuda else runner.trace()
     info["compile_and_capture_s"] = round(time.perf_counter() - start, 1)
-    prompts = (1000, 300, 64, 700, 5, 450) if cuda else (30, 9, 41, 4)
+    # (the 40-layer stack serves fewer tokens: the oracle's time grows with layers x tokens)
+    prompts = ((500, 200, 64, 5) if args.stack == "all" else (1000, 300, 64, 700, 5, 450)) if cuda else (30, 9, 41, 4)
     work = (mixed_workload(prompts, 16, chunk=256, max_tokens=512, rows=8, arrive_every=2, drafts=3) if cuda
             else mixed_workload(prompts, 6, chunk=7, max_tokens=16, rows=4, arrive_every=2, drafts=3))
     k = work.kinds()
