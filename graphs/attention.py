@@ -551,10 +551,14 @@ class DSV41Attention(nn.Module):
 
     @torch.no_grad()
     def reset_cache(self) -> None:
-        """Zero caches, compressor state, index keys and the top-k buffer."""
+        """Zero caches, compressor state and index keys; the top-k and candidate buffers to
+        ``-1`` (buffers derived from the weights, the RoPE tables and scratch stay)."""
         for name, buf in self.named_buffers():
-            if not name.startswith("rope_"):
-                buf.fill_(-1 if name in ("topk_ids", "candidate_ids") else 0)
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("swa_cache", "cmp_cache", "state", "index_cache"):
+                buf.zero_()
+            elif leaf in ("topk_ids", "candidate_ids"):
+                buf.fill_(-1)
 
     @property
     def device(self) -> torch.device:

@@ -78,10 +78,12 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="c
 
 
 def stack_buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, plan: LayerPlan,
-                       layer_ids: Optional[Sequence[int]] = None, device="cpu") -> dict[str, int]:
+                       layer_ids: Optional[Sequence[int]] = None, device="cpu",
+                       record_inputs: bool = False) -> dict[str, int]:
     """Bytes of each buffer group of ``DSV41Stack(cfg, cache, plan, layer_ids)``, summed over
     its layers (:func:`buffer_bytes` of each by its role: a shared cache counted once, at its
-    source), and ``per_layer``: each layer's total."""
+    source), and ``per_layer``: each layer's total; ``record_inputs``: plus the recorded
+    inputs, ``(layers + 1) * max_tokens * dim`` fp32 (``layer_inputs``)."""
     ids = range(len(plan.layers)) if layer_ids is None else sorted(set(layer_ids))
     out: dict = {}
     per_layer = {}
@@ -92,5 +94,7 @@ def stack_buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, plan: LayerPlan
         for k, v in layer.items():
             out[k] = out.get(k, 0) + v
         per_layer[i] = layer["total"]
+    out["layer_inputs"] = (len(ids) + 1) * cache.max_tokens * cfg.dim * FP32 if record_inputs else 0
+    out["total"] += out["layer_inputs"]
     out["per_layer"] = per_layer
     return out

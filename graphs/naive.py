@@ -274,17 +274,19 @@ class NaiveStack:
     after the last layer); per index source ``l``: ``scores[l] [S, n]`` its index scores
     (``-inf`` where not visible, and outside its candidate blocks), ``bound[l]`` their
     rounding scale (:data:`SCORE_ROUNDING` of the magnitudes), ``picks[l]`` the ids each
-    position attended; ``candidates`` the candidate source's blocks per position."""
+    position attended; ``candidates`` the candidate source's blocks per position;
+    ``layer_out[i]`` what block ``i`` adds to the residual ``[S, dim]``."""
 
     out: Tensor
     scores: dict
     bound: dict
     picks: dict
     candidates: Optional[list]
+    layer_out: list
 
 
 def naive_stack(stack, xs: Tensor, picks: Optional[dict] = None,
-                candidates: Optional[Sequence[Sequence[int]]] = None) -> NaiveStack:
+                candidates: Optional[Sequence[Sequence[int]]] = None, inputs: Optional[Tensor] = None) -> NaiveStack:
     """One request's run of :class:`graphs.DSV41Stack` ``stack`` from its full history
     ``xs [S, dim]`` (positions ``0 .. S-1``), in fp32, each layer unshared: every kv source
     computes its compressed entries and index keys from its own inputs, and every later
@@ -294,7 +296,10 @@ def naive_stack(stack, xs: Tensor, picks: Optional[dict] = None,
     ``picks[l]`` / ``candidates``: teacher forcing, the ids index source ``l`` attended and
     the candidate source's blocks per position (the layer's own, from a run): near-tied
     scores pick other entries than the oracle's, and later layers would then see other
-    inputs; default the oracle's own top-k.
+    inputs; default the oracle's own top-k. ``inputs [S, layers (+ 1), dim]``: each layer's
+    residual input (the stack's ``layer_inputs``, recorded step by step), teacher-forced too,
+    so each layer is computed from the inputs the stack's layer had; ``layer_out[i]`` is what
+    block ``i`` adds to the residual.
     """
     plan, cfg = stack.plan, stack.cfg
     S = xs.shape[0]
@@ -302,9 +307,12 @@ def naive_stack(stack, xs: Tensor, picks: Optional[dict] = None,
     entries, keys, chosen, scores_of, bound_of = {}, {}, {}, {}, {}
     given = dict(picks or {})
     blocks = None if candidates is None else [list(b) for b in candidates]
-    for block in stack.blocks:
+    layer_out = []
+    for i, block in enumerate(stack.blocks):
         layer = block.attn
         role, r = layer.role, layer.compress_ratio
+        if inputs is not None:
+            h = inputs[:, i].float()
         x = _rms(h, block.attn_norm.weight, cfg.norm_eps).to(torch.bfloat16)
         if role.compresses:
             entries[role.layer_id] = naive_entries(layer.compressor, layer, x)
@@ -332,11 +340,12 @@ def naive_stack(stack, xs: Tensor, picks: Optional[dict] = None,
         if r:
             ids = (chosen[role.index_source] if role.index_source is not None
                    else [list(range(n)) for n in _visible(S, r, xs.device).tolist()])
-        out = naive_outputs(layer, x, ids, entries[role.kv_source] if r else None)
-        h = h + out
+        before = h
+        h = h + naive_outputs(layer, x, ids, entries[role.kv_source] if r else None)
         if block.ffn is not None:
             h = h + block.ffn(h)
-    return NaiveStack(h, scores_of, bound_of, chosen, blocks)
+        layer_out.append(h - before)
+    return NaiveStack(h, scores_of, bound_of, chosen, blocks, layer_out)
 
 
 def _picks_ok(ids: list, scores: Tensor, bound: Tensor, k: int) -> bool:
@@ -361,35 +370,59 @@ class StackVerdict:
     pick_errors: dict
     candidate_errors: int
     tolerance: float = REL_TOL
+    layer_rel_diff: Optional[dict] = None
 
     @property
     def passed(self) -> bool:
-        return not any(self.pick_errors.values()) and not self.candidate_errors and self.max_rel_diff <= self.tolerance
+        if any(self.pick_errors.values()) or self.candidate_errors:
+            return False
+        if self.layer_rel_diff is not None:  # each layer on its own inputs
+            return max(self.layer_rel_diff.values()) <= self.tolerance
+        return self.max_rel_diff <= self.tolerance
 
     def verdict(self) -> str:
         bad = {l: n for l, n in self.pick_errors.items() if n}
         picks = f", pick errors {bad}" if bad else ""
         cands = f", {self.candidate_errors} token(s) with wrong candidate blocks" if self.candidate_errors else ""
+        if self.layer_rel_diff is not None:
+            worst = max(self.layer_rel_diff, key=self.layer_rel_diff.get)
+            diff = (f"every layer on its own inputs within {self.layer_rel_diff[worst]:.2e} of its max |y| (layer "
+                    f"{worst}; tolerance {self.tolerance:g}), the final residual within {self.max_rel_diff:.2e} of "
+                    f"max |h|")
+        else:
+            diff = f"largest difference {self.max_rel_diff:.2e} of max |h| (tolerance {self.tolerance:g})"
         return (f"{'PASS' if self.passed else 'FAIL'}: {self.tokens} tokens through {len(self.pick_errors)} index "
-                f"layers against the layer-by-layer oracle, largest difference {self.max_rel_diff:.2e} of max |h| "
-                f"(tolerance {self.tolerance:g}){picks}{cands}")
+                f"layers against the layer-by-layer oracle, {diff}{picks}{cands}")
 
 
 def stack_verdict(stack, xs: Sequence[Tensor], outs: Sequence[Tensor], topk: dict,
-                  candidates: Optional[Sequence[Tensor]] = None) -> StackVerdict:
+                  candidates: Optional[Sequence[Tensor]] = None,
+                  inputs: Optional[Sequence[Tensor]] = None) -> StackVerdict:
     """Compare each request's outputs ``outs[q] [n_q, dim]`` of a stack (its hidden states
     ``xs[q]``) with :func:`naive_stack`, teacher-forced with the stack's own picks:
     ``topk[l][q] [n_q, K]`` of each index source ``l`` and ``candidates[q]`` the candidate
-    source's blocks (e.g. ``run_workload(..., watch={l: layer.topk_ids, ...})``)."""
+    source's blocks (e.g. ``run_workload(..., watch={l: layer.topk_ids, ...})``).
+
+    ``inputs[q] [n_q, layers + 1, dim]`` (the stack's ``layer_inputs``, watched likewise): each
+    layer is then judged on its own, its output (the next layer's input minus its own) against
+    the oracle's from the same inputs, within the one-layer tolerance of its max ``|y|``; the
+    final residual's difference is still reported. Without them the final residual is
+    judged, and the layers' rounding adds up through the stack (a deep stack needs them)."""
     plan = stack.plan
     tokens, worst, cand_errors = 0, 0.0, 0
     errors = {l: 0 for l in topk}
+    per_layer = None if inputs is None else {l: 0.0 for l in stack.layer_ids}
     for q, x in enumerate(xs):
         picks = {l: [[c for c in row if c >= 0] for row in ids[q].tolist()] for l, ids in topk.items()}
         blocks = None if candidates is None else [[b for b in row if b >= 0] for row in candidates[q].tolist()]
-        run = naive_stack(stack, x, picks, blocks)
+        run = naive_stack(stack, x, picks, blocks, None if inputs is None else inputs[q])
         tokens += x.shape[0]
         worst = max(worst, ((outs[q].float() - run.out).abs().max() / run.out.abs().max()).item())
+        if inputs is not None:
+            got = inputs[q][:, 1:].float() - inputs[q][:, :-1].float()
+            for i, l in enumerate(stack.layer_ids):
+                want = run.layer_out[i]
+                per_layer[l] = max(per_layer[l], ((got[:, i] - want).abs().max() / want.abs().max()).item())
         for l in topk:
             layer = stack.layers[l]
             for p, ids in enumerate(picks[l]):
@@ -401,7 +434,7 @@ def stack_verdict(stack, xs: Sequence[Tensor], outs: Sequence[Tensor], topk: dic
             for p, bs in enumerate(blocks):
                 cand_errors += not _candidates_ok(bs, scores[p], bound[p], n_blocks, size)
     tol = REL_TOL if stack.cache_cfg.kv_format == "bf16" else FP8_CACHE_REL_TOL
-    return StackVerdict(tokens, worst, errors, cand_errors, tol)
+    return StackVerdict(tokens, worst, errors, cand_errors, tol, per_layer)
 
 
 def _candidates_ok(blocks: list, scores: Tensor, bound: Tensor, n_blocks: int, size: int) -> bool:

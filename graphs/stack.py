@@ -76,6 +76,11 @@ class DSV41Stack(nn.Module):
         seed: layer ``l``'s weights are drawn from ``seed + l``.
         ffn: ``{layer_id: module}`` applied to the residual after that layer's attention
             (the stand-in for the model's MoE; default none).
+        record_inputs: keep each block's fp32 residual input of the last step, and the
+            last block's output, in ``layer_inputs [layers + 1, max_tokens, dim]`` (one copy
+            per layer per step; :meth:`recorded_inputs` is its token-major view), so an
+            oracle can check every layer on its own inputs
+            (:func:`graphs.naive.stack_verdict`'s ``inputs``).
 
     Attributes:
         blocks: the :class:`Block` of each chosen layer, in order; ``layers`` maps a layer
@@ -85,7 +90,7 @@ class DSV41Stack(nn.Module):
     def __init__(self, cfg: AttentionConfig, cache: CacheConfig, plan: LayerPlan,
                  layer_ids: Optional[Sequence[int]] = None, device=None, seed: int = 0,
                  dcp_group: Optional[str] = None, weights: str = "bf16",
-                 ffn: Optional[dict[int, nn.Module]] = None) -> None:
+                 ffn: Optional[dict[int, nn.Module]] = None, record_inputs: bool = False) -> None:
         super().__init__()
         ids = list(range(len(plan.layers))) if layer_ids is None else sorted(set(int(i) for i in layer_ids))
         self.cfg, self.cache_cfg, self.plan, self.layer_ids = cfg, cache, plan, ids
@@ -102,6 +107,19 @@ class DSV41Stack(nn.Module):
                                  plan=plan, layer_id=i), ffn.get(i))
             for i in ids)
         self.layers = {i: b.attn for i, b in zip(ids, self.blocks)}
+        inputs = None
+        if record_inputs:  # each block's residual input of the last step, for the oracle's per-layer check
+            # layer-major: each layer's [T, dim] rows are contiguous (a strided copy_ would
+            # make Dynamo guard the token count at 1)
+            inputs = torch.zeros(len(ids) + 1, cache.max_tokens, cfg.dim, dtype=torch.float32, device=device)
+        self.register_buffer("layer_inputs", inputs, persistent=False)
+
+    def recorded_inputs(self) -> Tensor:
+        """``[max_tokens, layers + 1, dim]`` view of ``layer_inputs`` (for
+        :func:`graphs.schedule.run_workload`'s ``watch``)."""
+        if self.layer_inputs is None:
+            raise ValueError("build the stack with record_inputs=True to record its layers' inputs")
+        return self.layer_inputs.transpose(0, 1)
 
     def sources(self, layer_id: int) -> set[int]:
         """The other layers whose caches, ids or candidates layer ``layer_id`` reads."""
@@ -162,9 +180,13 @@ class DSV41Stack(nn.Module):
         each geometry (:meth:`graphs.StepMetadata.all_inputs`)."""
         T = x.shape[0]
         h = x.float()
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             layer = block.attn
+            if self.layer_inputs is not None:
+                self.layer_inputs[i, :T].copy_(h)
             h = block(h, inputs[layer.compress_ratio], self.shared(layer, T))
+        if self.layer_inputs is not None:
+            self.layer_inputs[-1, :T].copy_(h)
         return h.to(x.dtype)
 
     @torch.no_grad()

@@ -10,9 +10,11 @@ blocks and reads 20's cache), 25 (a reader of 24's ids) -- compiled whole and ca
 one CUDA graph per bucket. CPU: the same kinds in an 8-layer plan of :data:`graphs.TINY_V41`.
 
 It serves prompts prefilled in chunks while others decode and draft, through the runner,
-then checks every token with :func:`graphs.naive.stack_verdict` (PASS: the final residual
-within tolerance given the stack's own picks, and every index layer's picks and the
-candidate blocks a valid top-k of the oracle's scores). On a GPU it then measures, at a
+then checks every token with :func:`graphs.naive.stack_verdict` (PASS: every layer's output
+within the one-layer tolerance of the oracle's from the same residual input, which the
+stack records (``record_inputs``: one copy per layer per step, in the timings too), given
+the stack's own picks; every index layer's picks and the candidate blocks a valid top-k of
+the oracle's scores; the final residual's difference is reported). On a GPU it then measures, at a
 1K-token context and batches 1 / 64 / 256: the whole stack's replay, the step metadata of
 every geometry captured alone, and each kind's block captured alone (reading the step's
 derived inputs), with the kernels each runs; and the 40-layer step those add up to.
@@ -51,16 +53,17 @@ def build(device, kv_format: str, every_layer: bool = False):
         cache = CacheConfig(max_requests=256, max_tokens=512, max_seq_len=2048, page_size=64, kv_format=kv_format,
                             max_rewind=3)
         ids = list(range(40)) if every_layer else [layer_id for layer_id, _ in FLASH_KINDS.values()]
-        return DSV41Stack(V41_FLASH, cache, V41_FLASH_PLAN, ids, device), [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], \
-            FLASH_KINDS
+        stack = DSV41Stack(V41_FLASH, cache, V41_FLASH_PLAN, ids, device, record_inputs=True)
+        return stack, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], FLASH_KINDS
     cache = CacheConfig(4, 16, 64, 4, kv_format=kv_format, max_rewind=3)
-    return DSV41Stack(TINY_V41, cache, TINY_PLAN), [1, 4, 16], TINY_KINDS
+    return DSV41Stack(TINY_V41, cache, TINY_PLAN, record_inputs=True), [1, 4, 16], TINY_KINDS
 
 
 def watched(stack: DSV41Stack) -> dict:
     out = {i: layer.topk_ids for i, layer in stack.layers.items() if layer.indexer is not None}
     if stack.plan.candidate_source in stack.layers:
         out["candidates"] = stack.layers[stack.plan.candidate_source].candidate_ids
+    out["inputs"] = stack.recorded_inputs()
     return out
 
 
@@ -150,7 +153,7 @@ def run_stack(args) -> dict:
 
     stack, buckets, kinds = build(device, args.kv_format, args.stack == "all")
     say(f"built {stack.extra_repr()}")
-    memory = stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan, stack.layer_ids, device)
+    memory = stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan, stack.layer_ids, device, record_inputs=True)
     held = sum(b.numel() * b.element_size() for b in stack.buffers())
     info = {"layers": stack.layer_ids, "buckets": buckets, "buffers_formula": memory["total"], "buffers_held": held,
             "buffers_per_layer": memory["per_layer"],
@@ -178,7 +181,8 @@ def run_stack(args) -> dict:
     info.update(graph_breaks=sum(counters["graph_break"].values()), dynamo_graphs=counters["stats"]["unique_graphs"],
                 cuda_graphs=len(runner.graphs))
     say("checking every token against the layer-by-layer oracle")
-    verdict = stack_verdict(stack, xs, outs, {i: seen[i] for i in watch if i != "candidates"}, seen.get("candidates"))
+    ids = {i: seen[i] for i in watch if isinstance(i, int)}
+    verdict = stack_verdict(stack, xs, outs, ids, seen.get("candidates"), seen["inputs"])
     info.update(oracle=verdict.__dict__, verdict=verdict.verdict(), passed=verdict.passed and info["graph_breaks"] == 0
                 and info["dynamo_graphs"] == 1)
     print(f"  {verdict.verdict()}; {info['dynamo_graphs']} Dynamo graph(s), {info['graph_breaks']} breaks, "

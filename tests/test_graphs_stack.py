@@ -37,15 +37,18 @@ def workload():
     return mixed_workload([30, 9, 41, 4], 6, chunk=7, max_tokens=16, rows=4, arrive_every=2, drafts=2)
 
 
-def serve(stack: DSV41Stack, compile: bool = False, xs=None):
+def serve(stack: DSV41Stack, compile: bool = False, xs=None, inputs: bool = False):
     runner = StepRunner(stack, (1, 4, 16), compile=compile)
     work = workload()
     xs = hidden_states(work, TINY_V41.dim, seed=1) if xs is None else xs
     watch = {l: stack.layers[l].topk_ids for l in INDEX_LAYERS}
     watch["candidates"] = stack.layers[PLAN.candidate_source].candidate_ids
+    if inputs:
+        watch["inputs"] = stack.recorded_inputs()
     with torch.no_grad():
         outs, seen = run_workload(runner.step, work, xs, watch=watch, release=runner.release)
-    return xs, outs, {l: seen[l] for l in INDEX_LAYERS}, seen["candidates"]
+    out = xs, outs, {l: seen[l] for l in INDEX_LAYERS}, seen["candidates"]
+    return (*out, seen["inputs"]) if inputs else out
 
 
 def test_the_stack_owns_each_shared_part_once():
@@ -73,6 +76,22 @@ def test_stack_equals_the_layer_by_layer_oracle():
     assert verdict.passed, verdict.verdict()
     # the candidate blocks bind: some token of layer 6 had more visible entries than they hold
     assert max(x.shape[0] for x in xs) > 3 * 4 + TINY_V41.index_topk
+
+
+def test_every_layer_equals_the_oracle_on_its_own_inputs():
+    """With the stack's recorded residual inputs, each layer is judged alone (what a deep
+    stack needs: the layers' rounding adds up in the residual); the miswired reader fails."""
+    stack = DSV41Stack(TINY_V41, CACHE, PLAN, record_inputs=True)
+    xs, outs, topk, candidates, inputs = serve(stack, inputs=True)
+    verdict = stack_verdict(stack, xs, outs, topk, candidates, inputs)
+    assert verdict.passed and set(verdict.layer_rel_diff) == set(range(8)), verdict.verdict()
+    right = stack.shared
+    stack.shared = lambda layer, T: (right(layer, T)._replace(topk=stack.layers[4].topk_ids[:T])
+                                     if layer.layer_id == 7 else right(layer, T))
+    stack.reset_cache()
+    xs, outs, topk, candidates, inputs = serve(stack, inputs=True)
+    verdict = stack_verdict(stack, xs, outs, topk, candidates, inputs)
+    assert not verdict.passed and max(verdict.layer_rel_diff, key=verdict.layer_rel_diff.get) == 7
 
 
 def test_a_reader_wired_to_the_wrong_index_source_fails_the_oracle():
