@@ -77,7 +77,7 @@ class DSV41Stack(nn.Module):
         ffn: ``{layer_id: module}`` applied to the residual after that layer's attention
             (the stand-in for the model's MoE; default none).
         record_inputs: keep each block's fp32 residual input of the last step, and the
-            last block's output, in ``layer_inputs [layers + 1, max_tokens, dim]`` (one copy
+            last block's output, in ``layer_inputs [(layers + 1) * max_tokens, dim]`` (one copy
             per layer per step; :meth:`recorded_inputs` is its token-major view), so an
             oracle can check every layer on its own inputs
             (:func:`graphs.naive.stack_verdict`'s ``inputs``).
@@ -109,9 +109,9 @@ class DSV41Stack(nn.Module):
         self.layers = {i: b.attn for i, b in zip(ids, self.blocks)}
         inputs = None
         if record_inputs:  # each block's residual input of the last step, for the oracle's per-layer check
-            # layer-major: each layer's [T, dim] rows are contiguous (a strided copy_ would
-            # make Dynamo guard the token count at 1)
-            inputs = torch.zeros(len(ids) + 1, cache.max_tokens, cfg.dim, dtype=torch.float32, device=device)
+            # layer-major rows, written by index_copy_ into the whole buffer: a copy_ into a
+            # slice of it makes Inductor clone the buffer for every write
+            inputs = torch.zeros((len(ids) + 1) * cache.max_tokens, cfg.dim, dtype=torch.float32, device=device)
         self.register_buffer("layer_inputs", inputs, persistent=False)
 
     def recorded_inputs(self) -> Tensor:
@@ -119,7 +119,7 @@ class DSV41Stack(nn.Module):
         :func:`graphs.schedule.run_workload`'s ``watch``)."""
         if self.layer_inputs is None:
             raise ValueError("build the stack with record_inputs=True to record its layers' inputs")
-        return self.layer_inputs.transpose(0, 1)
+        return self.layer_inputs.view(len(self.blocks) + 1, self.cache_cfg.max_tokens, -1).transpose(0, 1)
 
     def sources(self, layer_id: int) -> set[int]:
         """The other layers whose caches, ids or candidates layer ``layer_id`` reads."""
@@ -180,13 +180,14 @@ class DSV41Stack(nn.Module):
         each geometry (:meth:`graphs.StepMetadata.all_inputs`)."""
         T = x.shape[0]
         h = x.float()
+        rows = torch.arange(T, device=x.device) if self.layer_inputs is not None else None
         for i, block in enumerate(self.blocks):
             layer = block.attn
-            if self.layer_inputs is not None:
-                self.layer_inputs[i, :T].copy_(h)
+            if rows is not None:
+                self.layer_inputs.index_copy_(0, rows + i * self.cache_cfg.max_tokens, h)
             h = block(h, inputs[layer.compress_ratio], self.shared(layer, T))
-        if self.layer_inputs is not None:
-            self.layer_inputs[-1, :T].copy_(h)
+        if rows is not None:
+            self.layer_inputs.index_copy_(0, rows + len(self.blocks) * self.cache_cfg.max_tokens, h)
         return h.to(x.dtype)
 
     @torch.no_grad()
