@@ -30,3 +30,17 @@ def test_graphs_cpu_examples_run():
     with contextlib.redirect_stdout(printed):
         exec(compile(oracle, "docs/graphs.md (the oracle)", "exec"), scope)
     assert printed.getvalue().startswith("PASS: 37 tokens against the full-history oracle")
+
+
+def test_graphs_stack_examples_run():
+    """``docs/graphs.md``'s stack: serving one step, then the oracle check of a workload."""
+    blocks = python_blocks("graphs.md")
+    serving = next(b for b in blocks if "DSV41Stack(TINY_V41" in b and "stack_verdict" not in b)
+    oracle = next(b for b in blocks if "stack_verdict" in b)
+    scope: dict = {}
+    exec(compile(serving, "docs/graphs.md (a stack)", "exec"), scope)
+    assert tuple(scope["h"].shape) == (7, 64)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(oracle, "docs/graphs.md (the stack's oracle)", "exec"), scope)
+    assert printed.getvalue().startswith("PASS: 108 tokens through 3 index layers")
