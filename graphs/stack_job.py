@@ -169,7 +169,7 @@ def run_stack(args) -> dict:
     # (the 40-layer stack serves fewer tokens: the oracle's time grows with layers x tokens)
     prompts = ((500, 200, 64, 5) if args.stack == "all" else (1000, 300, 64, 700, 5, 450)) if cuda else (30, 9, 41, 4)
     work = (mixed_workload(prompts, 16, chunk=256, max_tokens=512, rows=8, arrive_every=2, drafts=3) if cuda
-            else mixed_workload(prompts, 6, chunk=7, max_tokens=16, rows=4, arrive_every=2, drafts=3))
+            else mixed_workload(prompts, 6, chunk=7, max_tokens=16, rows=3, arrive_every=2, drafts=3))
     k = work.kinds()
     say(f"serving {len(work.lengths)} requests in {len(work.steps)} steps ({k['prefill']} prefill chunks, "
         f"{k['decode']} decode tokens, {k['draft']} multi-token steps)")

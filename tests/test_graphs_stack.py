@@ -34,7 +34,7 @@ INDEX_LAYERS = (1, 4, 6)
 
 
 def workload():
-    return mixed_workload([30, 9, 41, 4], 6, chunk=7, max_tokens=16, rows=4, arrive_every=2, drafts=2)
+    return mixed_workload([30, 9, 41, 4], 6, chunk=7, max_tokens=16, rows=3, arrive_every=2, drafts=2)  # a row reused
 
 
 def serve(stack: DSV41Stack, compile: bool = False, xs=None, inputs: bool = False):
