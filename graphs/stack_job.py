@@ -98,7 +98,7 @@ def kernels_of(graph: "torch.cuda.CUDAGraph", iters: int = 3) -> dict:
     us = kernel_time(graph.replay, iters, top)
     names = {e.name for e in events}
     # the compressor's and indexer's own kernels: a reader's part of the profile has none
-    own = sorted(n for n in names if any(k in n for k in INDEXER_KERNELS))
+    own = sorted(n for n in names if n.startswith(INDEXER_KERNELS))  # Triton's own names, not torch's gathers
     return {"kernels": round(len(events) / iters), "kernel_us": round(us, 1), "top": top[:5], "indexer_kernels": own}
 
 
