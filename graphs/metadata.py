@@ -145,12 +145,18 @@ def step_inputs(
     R = swa_block_table.shape[0]
     is_valid = (positions >= 0) & (token_to_req >= 0) & (token_to_req < R)
     swa_slots = compressed_slot_mapping(positions, token_to_req, swa_block_table, page_size, 1)
-    if compress_ratio:
-        cmp_slots = compressed_slot_mapping(positions, token_to_req, cmp_block_table, cmp_block_size, compress_ratio,
-                                            dcp_rank, dcp_world, dcp_interleave)
-    else:
-        cmp_slots = torch.full_like(swa_slots, -1)
+    cmp_slots = cmp_slot_mapping(positions, token_to_req, cmp_block_table, cmp_block_size, compress_ratio,
+                                 (dcp_rank, dcp_world, dcp_interleave))
     return StepInputs(positions, token_to_req, is_valid, swa_block_table, cmp_block_table, swa_slots, cmp_slots)
+
+
+def cmp_slot_mapping(positions: Tensor, token_to_req: Tensor, cmp_block_table: Tensor, cmp_block_size: int,
+                     compress_ratio: int, dcp: tuple[int, int, int] = (0, 1, 1)) -> Tensor:
+    """``[T]`` int32 compressed slot each group-closing token writes (``-1``: none; all
+    ``-1`` for ratio 0); under DCP this rank's (``dcp = (rank, world, interleave)``)."""
+    if not compress_ratio:
+        return torch.full_like(positions, -1)
+    return compressed_slot_mapping(positions, token_to_req, cmp_block_table, cmp_block_size, compress_ratio, *dcp)
 
 
 def derive(inp: StepInputs, geometry: Geometry) -> StepInputs:
@@ -218,7 +224,7 @@ class StepMetadata(nn.Module):
             if g.ratio:
                 self.register_buffer(f"cmp_block_table_{g.ratio}", table(g.cmp_columns), persistent=False)
                 self.register_buffer(f"cmp_slots_{g.ratio}", slots(), persistent=False)
-        self._no_table = table(0)  # a ratio-0 geometry's (empty) compressed table
+        self.register_buffer("no_cmp_block_table", table(0), persistent=False)  # a ratio-0 geometry's
 
     @classmethod
     def for_layer(cls, layer, max_tokens: Optional[int] = None) -> "StepMetadata":
@@ -228,7 +234,7 @@ class StepMetadata(nn.Module):
 
     def cmp_table_of(self, ratio: int) -> Tensor:
         """Ratio ``ratio``'s compressed block table ``[R, Bc]`` (``[R, 0]`` for ratio 0)."""
-        return getattr(self, f"cmp_block_table_{ratio}") if ratio else self._no_table.to(self.ints.device)
+        return getattr(self, f"cmp_block_table_{ratio}") if ratio else self.no_cmp_block_table
 
     @property
     def only(self) -> Geometry:
@@ -304,22 +310,23 @@ class StepMetadata(nn.Module):
         # so a dynamic T needs no guards relating the two.
         torch._check(T <= self.max_tokens)
         positions, token_to_req = self.ints[0, :T], self.ints[1, :T]
+        ratios = list(ratios or self.geometries)
+        first = self.geometries[ratios[0]]
+        # validity, SWA slots and indices and the rows once; then each geometry's compressed slots
+        base = step_inputs(positions, token_to_req, self.swa_block_table, self.cmp_table_of(first.ratio),
+                           first.page_size, first.block_size, first.ratio, *first.dcp)
+        self.swa_slots[:T].copy_(base.swa_slots)
+        base = derive(base._replace(swa_slots=self.swa_slots[:T]), first)
         out: dict[int, StepInputs] = {}
-        swa, first = None, None
-        for ratio in ratios or self.geometries:
+        for ratio in ratios:
             g = self.geometries[ratio]
-            inp = step_inputs(positions, token_to_req, self.swa_block_table, self.cmp_table_of(ratio), g.page_size,
-                              g.block_size, ratio, *g.dcp)
-            if swa is None:  # the same for every geometry: once per step
-                self.swa_slots[:T].copy_(inp.swa_slots)
-                swa, first = derive(inp._replace(swa_slots=self.swa_slots[:T]), g), ratio
-            cmp_slots = inp.cmp_slots
+            table, cmp_slots, rows = self.cmp_table_of(ratio), base.cmp_slots, base.rows
+            if ratio != first.ratio:
+                cmp_slots = cmp_slot_mapping(positions, token_to_req, table, g.block_size, ratio, g.dcp)
+                rows = rows._replace(n_entries=entry_counts(rows.valid, rows.pos, ratio))
             if ratio:
                 buf = getattr(self, f"cmp_slots_{ratio}")
                 buf[:T].copy_(cmp_slots)
                 cmp_slots = buf[:T]
-            rows = swa.rows if ratio == first else swa.rows._replace(
-                n_entries=entry_counts(swa.rows.valid, swa.rows.pos, ratio))
-            out[ratio] = inp._replace(swa_slots=swa.swa_slots, cmp_slots=cmp_slots, rows=rows, swa_idx=swa.swa_idx,
-                                      swa_lens=swa.swa_lens)
+            out[ratio] = base._replace(cmp_block_table=table, cmp_slots=cmp_slots, rows=rows)
         return out

@@ -43,7 +43,8 @@ def _(cache, slots, keys, index_format):
     _check_write(cache, slots, keys, index_format)
 
 
-def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format):
+def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, candidates=None,
+                candidate_block=1):
     check_tensor("q", q, torch.bfloat16, 3)
     if q.shape[2] != INDEX_DIM:
         raise ValueError(f"q must be [T, Hi, {INDEX_DIM}], got shape {tuple(q.shape)}")
@@ -58,14 +59,11 @@ def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k
         check_tensor(name, t, torch.int32, 1, device)
         check_dim(name, t, 0, T, "q.shape[0], the token count T")
     check_int("k", k, 1)
-    return fmt
-
-
-def _check_candidates(T, candidates, candidate_block, device):
     check_int("candidate_block", candidate_block, 1)
     if candidates is not None:
         check_tensor("candidates", candidates, torch.int32, 2, device)
         check_dim("candidates", candidates, 0, T, "q.shape[0], the token count T")
+    return fmt
 
 
 def _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, *, candidates=None,
@@ -99,8 +97,8 @@ def _run(op: str, args: IndexerArgs) -> tuple[Tensor, Tensor]:
 def indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
                  n_entries: Tensor, k: int, index_format: str = "fp8", candidates: Optional[Tensor] = None,
                  candidate_block: int = 1) -> Tensor:
-    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
-    _check_candidates(q.shape[0], candidates, candidate_block, q.device)
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
+                      candidates, candidate_block)
     args = _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt,
                        candidates=candidates, candidate_block=candidate_block)
     return _run("indexer_topk", args)[0]
@@ -109,16 +107,16 @@ def indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: T
 @indexer_topk.register_fake
 def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format="fp8", candidates=None,
       candidate_block=1):
-    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
-    _check_candidates(q.shape[0], candidates, candidate_block, q.device)
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
+                candidates, candidate_block)
     return q.new_empty((q.shape[0], k), dtype=torch.int32)
 
 
 @torch.library.custom_op("dsv41::indexer_candidates", mutates_args=())
 def indexer_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
                        n_entries: Tensor, n_blocks: int, block: int, index_format: str = "fp8") -> Tensor:
-    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format)
-    _check_candidates(q.shape[0], None, block, q.device)
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format,
+                      candidate_block=block)
     args = _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, fmt,
                        candidate_block=block, pin_from=n_entries)
     return _run("indexer_candidates", args)[0]
@@ -126,8 +124,8 @@ def indexer_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, block_ta
 
 @indexer_candidates.register_fake
 def _(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, block, index_format="fp8"):
-    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format)
-    _check_candidates(q.shape[0], None, block, q.device)
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format,
+                candidate_block=block)
     return q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
 
 
@@ -161,8 +159,8 @@ def _dcp_merge(ids: Tensor, scores: Tensor, k: int, group_name: str, world: int,
 def dcp_indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
                      n_entries: Tensor, k: int, index_format: str, group_name: str, interleave: int,
                      candidates: Optional[Tensor] = None, candidate_block: int = 1) -> Tensor:
-    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
-    _check_candidates(q.shape[0], candidates, candidate_block, q.device)
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
+                      candidates, candidate_block)
     world = _check_dcp(group_name, interleave)
     rank = group_rank(group_name)
     local_n = local_entries(n_entries.clamp_min(0), rank, world, interleave)
@@ -175,8 +173,8 @@ def dcp_indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_tabl
 @dcp_indexer_topk.register_fake
 def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, group_name, interleave,
       candidates=None, candidate_block=1):
-    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format)
-    _check_candidates(q.shape[0], candidates, candidate_block, q.device)
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
+                candidates, candidate_block)
     _check_dcp(group_name, interleave)
     return q.new_empty((q.shape[0], k), dtype=torch.int32)
 
@@ -185,8 +183,8 @@ def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_fo
 def dcp_indexer_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor,
                            token_to_req: Tensor, n_entries: Tensor, n_blocks: int, block: int, index_format: str,
                            group_name: str, interleave: int) -> Tensor:
-    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format)
-    _check_candidates(q.shape[0], None, block, q.device)
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format,
+                      candidate_block=block)
     world = _check_dcp(group_name, interleave)
     rank = group_rank(group_name)
     local_n = local_entries(n_entries.clamp_min(0), rank, world, interleave)
@@ -199,8 +197,8 @@ def dcp_indexer_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, bloc
 @dcp_indexer_candidates.register_fake
 def _(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, block, index_format, group_name,
       interleave):
-    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format)
-    _check_candidates(q.shape[0], None, block, q.device)
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format,
+                candidate_block=block)
     _check_dcp(group_name, interleave)
     return q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
 
