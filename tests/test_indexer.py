@@ -17,6 +17,7 @@ import compile_ops
 import oracle
 from compile_ops.indexer.cache import INDEX_FORMATS, new_index_cache, read_index_keys
 from compile_ops.indexer import ops
+from compile_ops.indexer.inputs import global_ids, local_entries
 from helpers import examples
 
 pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
@@ -97,7 +98,23 @@ def test_interpreter_equals_reference(index_format, case):
         fmt = ops._check_topk(*args, k, index_format)
         from compile_ops.indexer.triton import indexer_topk_triton
 
-        got, _ = indexer_topk_triton(ops._normalized(*args, k, fmt))
+        got, _ = indexer_topk_triton(ops._args(*args, k, fmt))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("index_format", FORMATS)
+def test_interpreter_segmented_rows_equal_reference(index_format, monkeypatch):
+    """Rows long enough to split into segments: the scores kernel's first histogram feeds
+    the segmented passes, and the ids are exactly the reference's (short top-k steps, so
+    that these small rows split as 128K-entry rows do)."""
+    pytest.importorskip("triton")
+    from compile_ops.indexer import triton as kernels
+
+    monkeypatch.setattr(kernels, "TOPK_BLOCK", 16)
+    args = make_problem(index_format, 3, 8, 2, 12, 16, seed=5, holes=2)
+    assert kernels.segments(3, 12 * 16, args[0].device, 16)[0] > 1
+    want = run_reference(*args, 40, index_format)
+    got, _ = kernels.indexer_topk_triton(ops._args(*args, 40, ops._check_topk(*args, 40, index_format)))
     assert torch.equal(got, want)
 
 
@@ -183,9 +200,9 @@ def test_local_entries_and_global_ids_follow_the_interleave_rule():
             n = torch.arange(0, 70, dtype=i32)
             for rank in range(world):
                 owned = [c for c in range(70) if (c // interleave) % world == rank]
-                counts = ops.local_entries(n, rank, world, interleave).tolist()
+                counts = local_entries(n, rank, world, interleave).tolist()
                 assert counts == [sum(1 for c in owned if c < m) for m in range(70)]
-                ids = ops.global_ids(torch.arange(len(owned), dtype=i32), rank, world, interleave)
+                ids = global_ids(torch.arange(len(owned), dtype=i32), rank, world, interleave)
                 assert ids.tolist() == owned
 
 
@@ -220,9 +237,9 @@ def test_triton_limits_send_auto_to_the_reference():
 
     args = make_problem("fp8", 2, 4, 2, 2, 4, seed=0)
     fmt = ops._check_topk(*args, TRITON_MAX_K + 1, "fp8")
-    too_many = ops._normalized(*args, TRITON_MAX_K + 1, fmt)
+    too_many = ops._args(*args, TRITON_MAX_K + 1, fmt)
     assert "k <= 4096" in triton_args_unsupported(too_many)
-    assert triton_args_unsupported(ops._normalized(*args, 16, fmt)) is None
+    assert triton_args_unsupported(ops._args(*args, 16, fmt)) is None
     wide = too_many._replace(k=16, q=torch.zeros(2, 129, 128))
     assert "at most 128 heads" in triton_args_unsupported(wide)
     cuda = torch.device("cuda")
@@ -271,9 +288,8 @@ def test_candidates_equal_a_brute_force_block_scorer(backend, index_format, T, n
             from compile_ops.indexer import triton as kernels
 
             fmt = ops._check_topk(*args, n_blocks, index_format)
-            got, _ = kernels.indexer_candidates_triton(ops._normalized(*args, n_blocks, fmt, candidate_block=block,
-                                                                       pin_from=args[5]))
-            inside, _ = kernels.indexer_topk_triton(ops._normalized(*args, 5, fmt, candidates=got, candidate_block=block))
+            got, _ = kernels.indexer_candidates_triton(ops._args(*args, n_blocks, fmt, candidate_block=block))
+            inside, _ = kernels.indexer_topk_triton(ops._args(*args, 5, fmt, candidates=got, candidate_block=block))
         else:
             got = compile_ops.indexer_candidates(*args, n_blocks, block, index_format)
             inside = compile_ops.indexer_topk(*args, 5, index_format, got, block)

@@ -89,7 +89,7 @@ def test_gpu_random_floats_pick_the_top_scores():
     from compile_ops.indexer import ops
     from compile_ops.indexer.reference import scores_reference
 
-    norm = ops._normalized(*args, 256, ops._check_topk(*args, 256, "fp8"))
+    norm = ops._args(*args, 256, ops._check_topk(*args, 256, "fp8"))
     scores = scores_reference(norm, 0, 8)
     got = compile_ops.indexer_topk(*args, 256, "fp8")
     ok = got >= 0

@@ -79,6 +79,7 @@ def main(argv: list[str]) -> int:
     import compile_ops
     from compile_ops.indexer import ops
     from compile_ops.indexer import triton as tri
+    from compile_ops.indexer.inputs import local_counts
 
     device = torch.device("cuda")
     todo = [(T, n) for n in args.entries for T in args.tokens]
@@ -88,10 +89,10 @@ def main(argv: list[str]) -> int:
         p = problem(T, n, n, device)
         op_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp8"), args.calls, args.replays)
         fmt = ops._check_topk(*p, K, "fp8")
-        norm = ops._normalized(*p, K, fmt)
+        n_local = local_counts(ops._args(*p, K, fmt))[1]
         scores = torch.empty(T, n, device=device)
         ids, vals = torch.empty(T, K, dtype=torch.int32, device=device), torch.empty(T, K, device=device)
-        sel = lambda: tri.topk_of_rows(scores, norm.n, ids, vals, K)  # noqa: E731
+        sel = lambda: tri.topk_of_rows(scores, n_local, ids, vals, K)  # noqa: E731
         scores.copy_(torch.randn(T, n, device=device))
         topk_us = graph_time_us(sel, args.calls, args.replays)
         torch_topk_us = graph_time_us(lambda: torch.topk(scores, K, dim=1), args.calls, args.replays)

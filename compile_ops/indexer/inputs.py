@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from compile_ops.indexer.cache import IndexFormat
+from compile_ops.indexer.cache import IndexFormat, quantize_e4m3
 
 
 TRITON_MAX_K = 4096  # the Triton top-k sorts a row's k kept entries in one program's registers
@@ -28,25 +28,27 @@ def triton_args_unsupported(args: "IndexerArgs") -> Optional[str]:
 
 
 class IndexerArgs(NamedTuple):
-    """A validated, normalized ``indexer_topk`` call.
+    """A validated ``indexer_topk`` / ``indexer_candidates`` call, as every backend receives it.
 
-    ``q [T, Hi, 128]`` in the dtype the products are taken in (e4m3 for an ``fp8`` cache,
-    bf16 for ``bf16``) and ``weights [T, Hi]`` fp32 with q's per-row scale folded in, so
-    ``score[t, c] = scale[c] * sum_h weights[t, h] * relu(<q[t, h], key[c]>)``; ``cache``
-    the index-key cache of format ``fmt``; ``block_table [R, B]`` int32; ``rows [T]`` int64
-    request rows, clamped into ``[0, R)`` (``n`` is 0 where the row was invalid); ``n [T]``
-    int32 entries each token scores (``0 <= n <= L``); ``k`` ids per token. A backend's
-    ``indexer_topk(args)`` returns ``(ids [T, k] int32, scores [T, k] fp32)``: ids in
-    descending score, ties by the lower id, ``-1`` (score ``-inf``) past the valid entries.
+    The tensors are the op's own arguments, unchanged (a backend derives what it needs, so
+    the op adds no kernels before the backend's): ``q [T, Hi, 128]`` bf16, ``weights [T,
+    Hi]`` fp32, ``cache`` the index-key cache of format ``fmt``, ``block_table [R, B]``
+    int32, ``token_to_req [T]`` int32 (a row outside ``[0, R)`` picks nothing),
+    ``n_entries [T]`` int32 global entry counts (of the whole sequence, all DCP ranks);
+    ``k`` ids per token. :func:`local_counts` and :func:`product_query` state what they
+    mean: ``score[t, c] = scale[c] * sum_h w[t, h] * relu(<q[t, h], key[c]>)`` over this
+    shard's first ``n[t]`` entries. A backend's ``indexer_topk(args)`` returns ``(ids [T, k]
+    int32, scores [T, k] fp32)``: ids in descending score, ties by the lower id, ``-1``
+    (score ``-inf``) past the valid entries.
 
     Two-level selection (DeepSeek-V4.1's candidate blocks): ``candidates [T, C]`` int32
     global block ids (``-1`` = none) restrict each token to the entries of those blocks of
     ``candidate_block`` consecutive global ids (``None``: no restriction); a backend's
     ``indexer_candidates(args)`` instead returns the ``k`` best such blocks ``(blocks [T,
     k] int32, block scores [T, k])``, a block scoring the max of its entries and block
-    ``pin[t]`` (``-1``: none) scoring ``+inf``. ``shard = (rank, world, interleave)``: the
-    cache holds DCP rank ``rank``'s entries (:func:`compile_ops.indexer.ops.global_ids`),
-    so blocks are of global ids.
+    :func:`pinned_blocks` ``[t]`` scoring ``+inf``. ``shard = (rank, world, interleave)``:
+    the cache holds DCP rank ``rank``'s entries (:func:`global_ids`), so blocks are of
+    global ids.
     """
 
     q: Tensor
@@ -54,13 +56,42 @@ class IndexerArgs(NamedTuple):
     cache: Tensor
     fmt: IndexFormat
     block_table: Tensor
-    rows: Tensor
-    n: Tensor
+    token_to_req: Tensor
+    n_entries: Tensor
     k: int
     candidates: Optional[Tensor] = None
     candidate_block: int = 1
-    pin: Optional[Tensor] = None
     shard: tuple[int, int, int] = (0, 1, 1)
+
+
+def local_counts(args: IndexerArgs) -> tuple[Tensor, Tensor]:
+    """``(rows [T] int64, n [T] int32)``: each token's request row (0 where it picks nothing)
+    and how many entries it scores on this shard, ``0 <= n <= L = B * page_size`` (0 for an
+    invalid row or a count ``<= 0``)."""
+    R, L = args.block_table.shape[0], args.block_table.shape[1] * args.cache.shape[1]
+    rank, world, interleave = args.shard
+    n = local_entries(args.n_entries.clamp_min(0), rank, world, interleave).clamp(max=L)
+    ok = (args.token_to_req >= 0) & (args.token_to_req < R) & (n > 0)
+    return torch.where(ok, args.token_to_req, 0).long(), torch.where(ok, n, 0).to(torch.int32)
+
+
+def pinned_blocks(args: IndexerArgs) -> Tensor:
+    """``[T]`` int64: the global block of each token's newest entry the tables can address
+    (past their end, the last), which ``indexer_candidates`` always keeps; ``-1``: none."""
+    R, L = args.block_table.shape[0], args.block_table.shape[1] * args.cache.shape[1]
+    newest = args.n_entries.clamp(max=L * args.shard[1]).long() - 1
+    valid = (args.token_to_req >= 0) & (args.token_to_req < R) & (newest >= 0)
+    return torch.where(valid, newest // args.candidate_block, -1)
+
+
+def product_query(args: IndexerArgs) -> tuple[Tensor, Tensor]:
+    """``(q, weights)`` in the products' terms: with an ``fp8`` cache, q quantized like the
+    keys (:func:`compile_ops.indexer.cache.quantize_e4m3`, per (token, head) row) and its
+    power-of-two scale folded into the weights; with ``bf16``, both as given."""
+    if not args.fmt.fp8:
+        return args.q, args.weights
+    q, scale = quantize_e4m3(args.q)
+    return q, args.weights * scale
 
 
 def local_entries(n: Tensor, rank: int, world: int, interleave: int) -> Tensor:
@@ -84,27 +115,33 @@ def _column_blocks(args: IndexerArgs, L: int, device) -> tuple[Tensor, int]:
     return global_ids(torch.arange(L, device=device), rank, world, interleave) // block, -(-L * world // block)
 
 
+def candidate_mask(args: IndexerArgs, lo: int, hi: int) -> Tensor:
+    """``[hi - lo, nb + 1]`` bool: which of the ``nb`` global blocks are among tokens
+    ``lo:hi``'s ``args.candidates`` (column ``nb`` takes the ``-1`` ones, never read)."""
+    nb = -(-args.block_table.shape[1] * args.cache.shape[1] * args.shard[1] // args.candidate_block)
+    cand = args.candidates[lo:hi].long()
+    cand = torch.where((cand >= 0) & (cand < nb), cand, nb)
+    return torch.zeros(hi - lo, nb + 1, dtype=torch.bool, device=cand.device).scatter_(1, cand, True)
+
+
 def restrict_to_candidates(scores: Tensor, args: IndexerArgs, lo: int, hi: int) -> Tensor:
     """``scores [hi - lo, L]`` of tokens ``lo:hi`` with every entry outside the tokens'
     ``args.candidates`` blocks at ``-inf`` (``scores`` itself without candidates)."""
     if args.candidates is None:
         return scores
-    L = scores.shape[1]
-    col, nb = _column_blocks(args, L, scores.device)
-    cand = args.candidates[lo:hi].long()
-    cand = torch.where((cand >= 0) & (cand < nb), cand, nb)  # -1 (none) to a spare column
-    allowed = torch.zeros(hi - lo, nb + 1, dtype=torch.bool, device=scores.device).scatter_(1, cand, True)
-    return scores.masked_fill(~allowed[:, col], float("-inf"))
+    col, _ = _column_blocks(args, scores.shape[1], scores.device)
+    return scores.masked_fill(~candidate_mask(args, lo, hi)[:, col], float("-inf"))
 
 
 def block_scores(scores: Tensor, args: IndexerArgs, lo: int, hi: int) -> Tensor:
     """``[hi - lo, nb]`` fp32: each block's max score over the entries of tokens ``lo:hi``
-    (``-inf``: none visible), block ``args.pin[t]`` at ``+inf``; columns past a token's
-    ``n`` are not read (a backend need not have written them)."""
+    (``-inf``: none visible), block :func:`pinned_blocks` ``[t]`` at ``+inf``; columns past a
+    token's count are not read (a backend need not have written them)."""
     L = scores.shape[1]
     col, nb = _column_blocks(args, L, scores.device)
-    scores = scores.masked_fill(torch.arange(L, device=scores.device) >= args.n[lo:hi].unsqueeze(1), float("-inf"))
+    n = local_counts(args)[1][lo:hi]
+    scores = scores.masked_fill(torch.arange(L, device=scores.device) >= n.unsqueeze(1), float("-inf"))
     out = scores.new_full((hi - lo, nb), float("-inf"))
     out = out.scatter_reduce(1, col.expand(hi - lo, L), scores, "amax")
-    pinned = torch.arange(nb, device=scores.device) == args.pin[lo:hi].unsqueeze(1)  # pin -1: none
+    pinned = torch.arange(nb, device=scores.device) == pinned_blocks(args)[lo:hi].unsqueeze(1)  # -1: none
     return out.masked_fill(pinned, float("inf"))

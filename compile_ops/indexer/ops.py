@@ -15,8 +15,8 @@ from torch import Tensor
 from compile_ops import backends
 from compile_ops._checks import check_dim, check_int, check_tensor
 from compile_ops._groups import group_rank, group_size
-from compile_ops.indexer.cache import INDEX_DIM, check_index_cache, encode_index_rows, quantize_e4m3
-from compile_ops.indexer.inputs import IndexerArgs, global_ids, local_entries, triton_args_unsupported
+from compile_ops.indexer.cache import INDEX_DIM, check_index_cache, encode_index_rows
+from compile_ops.indexer.inputs import IndexerArgs, global_ids, triton_args_unsupported
 from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference, topk_of_scores
 
 
@@ -66,24 +66,11 @@ def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k
     return fmt
 
 
-def _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, *, candidates=None,
-                candidate_block=1, pin_from: Optional[Tensor] = None, shard=(0, 1, 1)) -> IndexerArgs:
-    """The call as backends take it: queries in the product dtype, invalid rows' counts 0;
-    ``pin_from``: the global counts whose newest visible block :func:`indexer_candidates` keeps."""
-    R, L = block_table.shape[0], block_table.shape[1] * index_cache.shape[1]
-    valid = (token_to_req >= 0) & (token_to_req < R)
-    ok = valid & (n_entries > 0)
-    rows = torch.where(ok, token_to_req, 0).long()
-    n = torch.where(ok, n_entries.clamp(max=L), 0).to(torch.int32)
-    pin = None
-    if pin_from is not None:  # the newest entry the tables can address, past their end the last
-        newest = pin_from.clamp(max=L * shard[1]) - 1
-        pin = torch.where(valid & (newest >= 0), newest // candidate_block, -1)
-    if fmt.fp8:  # e4m3 products: q gets the keys' quantizer, its scale goes to the weights
-        q, q_scale = quantize_e4m3(q)
-        weights = weights * q_scale
-    return IndexerArgs(q.contiguous(), weights.contiguous(), index_cache, fmt, block_table, rows, n, int(k),
-                       candidates, candidate_block, pin, shard)
+def _args(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, *, candidates=None,
+          candidate_block=1, shard=(0, 1, 1)) -> IndexerArgs:
+    """The call as backends take it: the op's own tensors, nothing computed (no kernels)."""
+    return IndexerArgs(q, weights, index_cache, fmt, block_table, token_to_req, n_entries, int(k), candidates,
+                       candidate_block, shard)
 
 
 def _run(op: str, args: IndexerArgs) -> tuple[Tensor, Tensor]:
@@ -99,8 +86,8 @@ def indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: T
                  candidate_block: int = 1) -> Tensor:
     fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
                       candidates, candidate_block)
-    args = _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt,
-                       candidates=candidates, candidate_block=candidate_block)
+    args = _args(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt,
+                 candidates=candidates, candidate_block=candidate_block)
     return _run("indexer_topk", args)[0]
 
 
@@ -117,8 +104,8 @@ def indexer_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, block_ta
                        n_entries: Tensor, n_blocks: int, block: int, index_format: str = "fp8") -> Tensor:
     fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format,
                       candidate_block=block)
-    args = _normalized(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, fmt,
-                       candidate_block=block, pin_from=n_entries)
+    args = _args(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, fmt,
+                 candidate_block=block)
     return _run("indexer_candidates", args)[0]
 
 
@@ -163,9 +150,8 @@ def dcp_indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_tabl
                       candidates, candidate_block)
     world = _check_dcp(group_name, interleave)
     rank = group_rank(group_name)
-    local_n = local_entries(n_entries.clamp_min(0), rank, world, interleave)
-    args = _normalized(q, weights, index_cache, block_table, token_to_req, local_n, k, fmt, candidates=candidates,
-                       candidate_block=candidate_block, shard=(rank, world, interleave))
+    args = _args(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, candidates=candidates,
+                 candidate_block=candidate_block, shard=(rank, world, interleave))
     ids, scores = _run("indexer_topk", args)
     return _dcp_merge(global_ids(ids, rank, world, interleave), scores, k, group_name, world)
 
@@ -187,9 +173,8 @@ def dcp_indexer_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, bloc
                       candidate_block=block)
     world = _check_dcp(group_name, interleave)
     rank = group_rank(group_name)
-    local_n = local_entries(n_entries.clamp_min(0), rank, world, interleave)
-    args = _normalized(q, weights, index_cache, block_table, token_to_req, local_n, n_blocks, fmt,
-                       candidate_block=block, pin_from=n_entries, shard=(rank, world, interleave))
+    args = _args(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, fmt,
+                 candidate_block=block, shard=(rank, world, interleave))
     blocks, scores = _run("indexer_candidates", args)
     return _dcp_merge(blocks, scores, n_blocks, group_name, world, distinct=True)
 

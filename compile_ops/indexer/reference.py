@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from compile_ops.indexer.cache import read_index_keys
-from compile_ops.indexer.inputs import IndexerArgs, block_scores, restrict_to_candidates
+from compile_ops.indexer.inputs import IndexerArgs, block_scores, local_counts, product_query, restrict_to_candidates
 
 SCORE_CHUNK = 1 << 22  # scores of one token chunk, elements (16 MiB of fp32)
 KEY_CHUNK = 1 << 20  # dequantized keys gathered at once, elements (4 MiB of fp32)
@@ -19,7 +19,9 @@ KEY_CHUNK = 1 << 20  # dequantized keys gathered at once, elements (4 MiB of fp3
 
 def scores_reference(args: IndexerArgs, lo: int, hi: int) -> Tensor:
     """fp32 scores ``[hi - lo, L]`` of tokens ``lo:hi``; ``-inf`` at ``c >= n`` and at holes."""
-    q, weights, cache, fmt, block_table, rows, n = args[:7]
+    cache, fmt, block_table = args.cache, args.fmt, args.block_table
+    q, weights = product_query(args)
+    rows, n = local_counts(args)
     page_size, num_slots = cache.shape[1], cache.shape[0] * cache.shape[1]
     L = block_table.shape[1] * page_size
     qf, w, row, count = q[lo:hi].float(), weights[lo:hi], rows[lo:hi], n[lo:hi]
