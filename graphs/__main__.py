@@ -285,10 +285,10 @@ def report(info: dict) -> None:
     rows = info.get("rows")
     if rows:
         print("decode step times at 1024 tokens (us):")
-        print(f"{'batch':>6} {'eager':>9} {'compiled':>9} {'step':>8} {'replay':>8} {'kernels':>8}")
+        print(f"{'batch':>6} {'eager':>9} {'compiled':>9} {'step':>8} {'replay':>8} {'kernels':>8} {'launches':>8}")
         for r in rows:
             print(f"{r['batch']:>6} {r['eager_us']:9.1f} {r['compiled_us']:9.1f} {r['step_us']:8.1f} "
-                  f"{r['replay_us']:8.1f} {r.get('kernels_us', 0.0):8.1f}")
+                  f"{r['replay_us']:8.1f} {r.get('kernels_us', 0.0):8.1f} {r.get('kernels_per_step', '-'):>8}")
         for r in rows:
             if r.get("top_kernels"):
                 print(f"costliest kernels at batch {r['batch']} (us): "

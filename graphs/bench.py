@@ -125,6 +125,21 @@ def kernel_time(fn: Callable[[], object], iters: int = 5, top: Optional[list] = 
     return sum(e.self_device_time_total for e in kernels) / iters
 
 
+def count_kernels(fn: Callable[[], object], iters: int = 3) -> int:
+    """Kernels (and device memcpy/memset) ``fn`` launches per call, by ``torch.profiler``
+    (a CUDA graph's replay: the kernels inside it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return round(sum(e.device_type == DeviceType.CUDA for e in prof.events()) / iters)
+
+
 @torch.no_grad()
 def time_batches(runner: StepRunner, eager: StepRunner, batches, position: int, *, iters: int = 20,
                  replay_iters: int = 100, profile_batches=(), deadline: Optional[float] = None) -> list[dict]:
@@ -157,6 +172,7 @@ def time_batches(runner: StepRunner, eager: StepRunner, batches, position: int, 
             if b in profile_batches:
                 row["top_kernels"] = []
                 row["kernels_us"] = kernel_time(runner.graphs[bucket].replay, top=row["top_kernels"])
+                row["kernels_per_step"] = count_kernels(runner.graphs[bucket].replay)
                 row["kernels_from"] = "graph replay"
                 if not row["kernels_us"]:  # the profiler saw no kernels inside the graph
                     row["top_kernels"] = []

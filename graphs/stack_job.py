@@ -27,7 +27,7 @@ import time
 import torch
 
 from graphs import TINY_V41, V41_FLASH, V41_FLASH_PLAN, CacheConfig, DSV41Stack, LayerPlan, StepRunner
-from graphs.bench import fill_random, grow_rows, kernel_time, time_replay
+from graphs.bench import count_kernels, fill_random, grow_rows, kernel_time, time_replay
 from graphs.memory import stack_buffer_bytes
 from graphs.naive import stack_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
@@ -93,13 +93,13 @@ def kernels_of(graph: "torch.cuda.CUDAGraph", iters: int = 3) -> dict:
         for _ in range(iters):
             graph.replay()
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    names = {e.name for e in prof.events() if e.device_type == DeviceType.CUDA}
     top: list = []
     us = kernel_time(graph.replay, iters, top)
     names = {e.name for e in events}
     # the compressor's and indexer's own kernels: a reader's part of the profile has none
     own = sorted(n for n in names if n.startswith(INDEXER_KERNELS))  # Triton's own names, not torch's gathers
-    return {"kernels": round(len(events) / iters), "kernel_us": round(us, 1), "top": top[:5], "indexer_kernels": own}
+    return {"kernels": count_kernels(graph.replay, iters), "kernel_us": round(us, 1), "top": top[:5], "indexer_kernels": own}
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from torch import Tensor
 from compile_ops import backends
 from compile_ops._checks import check_dim, check_int, check_tensor
 from compile_ops._groups import group_rank, group_size
-from compile_ops.indexer.cache import INDEX_DIM, check_index_cache, encode_index_rows
+from compile_ops.indexer.cache import INDEX_DIM, check_index_cache
 from compile_ops.indexer.inputs import IndexerArgs, global_ids, triton_args_unsupported
 from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference, topk_of_scores
 
@@ -35,7 +35,7 @@ def write_index_keys(cache: Tensor, slots: Tensor, keys: Tensor, index_format: s
     if cache.shape[0] * cache.shape[1] == 0 or slots.shape[0] == 0:
         return
     store = backends.implementation("kv", "write_kv", cache.device)  # the KV caches' row store
-    store(cache, slots, encode_index_rows(keys, index_format), fmt)
+    store(cache, slots, keys, fmt)
 
 
 @write_index_keys.register_fake

@@ -2,8 +2,8 @@
 
 The op's tensors go to the kernels as given (the request-row checks, DCP shard counts,
 candidate restriction and the query's quantization happen inside), so a call is a few
-launches: a memset, the scores kernel, then one top-k kernel for a short row (or a few for
-a long one). Every kernel is length-bounded: a token's programs stop at its ``n``
+launches: the scores kernel, a memset and two top-k kernels for a short row (a few more
+for a long one). Every kernel is length-bounded: a token's programs stop at its ``n``
 entries; nothing reads or scores past it, whatever the cache's capacity.
 
 * ``_scores_kernel``, grid ``(T, S)``: program ``(t, s)`` quantizes the token's ``[Hi,
@@ -11,8 +11,7 @@ entries; nothing reads or scores past it, whatever the cache's capacity.
   weights), takes blocks ``s, s + S, ...`` of ``BN`` entries, gathers their keys through
   the block table (e4m3 bytes and the fp32 scale of an ``fp8`` cache, or bf16), ``tl.dot``\
   s them with the queries (fp32 accumulation) and stores ``scale * sum_h w[h] * relu(dot)``
-  (``-inf`` at holes and outside the candidate blocks) into a scores buffer, adding the
-  histogram of the scores' first radix digit as it goes.
+  (``-inf`` at holes and outside the candidate blocks) into a scores buffer.
 * the top-k (:func:`topk_of_rows`): the scores become order-preserving 32-bit keys, and
   ``32 / TOPK_DIGIT`` radix passes (``tl.histogram`` of the next digit among the keys that
   share the prefix so far) find the ``k``-th largest key exactly and how many entries equal
@@ -39,6 +38,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compile_ops._launch import INTERPRET, launchable
 from compile_ops.indexer.inputs import IndexerArgs, block_scores, candidate_mask
+from compile_ops.kv.triton import power_of_two, to_e4m3, ue8m0_exponent
 from compile_ops.mla.plan import num_sms
 
 BN = 64  # entries per scores block
@@ -48,6 +48,9 @@ SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill
 SCORE_PROGRAMS_PER_SM = 16  # the scores kernel's grid: enough loads in flight to stream keys
 TOPK_PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 64  # segments a row's top-k passes split it into
+# tl.histogram takes its digits one element per thread at a time (a ballot per bit): the
+# passes need many threads per program
+HIST_WARPS = 16
 ROW_TOPK_BLOCKS = 4  # rows of up to this many top-k blocks take one program each: passes over L2 beat launches
 
 
@@ -86,11 +89,11 @@ def _digit_hist(x, ok, prefix, PASS: tl.constexpr, DIGIT: tl.constexpr):
 
 @triton.jit
 def _scores_kernel(
-    q, w, t2r, n_entries, cache, table, allowed, scores, hist, n_out,
+    q, w, t2r, n_entries, cache, table, allowed, scores, n_out,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, T, R, L, num_slots, page_size, Hi, S,
     rank, world, interleave, block, nb,
     HI: tl.constexpr, FP8: tl.constexpr, RESTRICT: tl.constexpr, BN: tl.constexpr, ITERS: tl.constexpr,
-    UPCAST: tl.constexpr, DIGIT: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     row, n_t = _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave)
@@ -104,14 +107,10 @@ def _scores_kernel(
     b_w = tl.load(w + i_t * s_wt + o_h, mask=m_h, other=0.0)
     if FP8:  # q gets the keys' quantizer (quantize_e4m3); its power-of-two scale joins the weights
         b_qf = b_q.to(tl.float32)
-        amax = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_qf), 1), 1e-4), 448.0)
-        bits = amax.to(tl.int32, bitcast=True)
-        exponent = ((bits >> 23) & 255) + ((bits & 8388607) != 0).to(tl.int32)  # ceil(log2) + 127
-        b_q = tl.clamp(b_qf * ((254 - exponent) << 23).to(tl.float32, bitcast=True)[:, None], -448.0, 448.0)
-        b_q = b_q.to(tl.float8e4nv)
-        b_w = b_w * (exponent << 23).to(tl.float32, bitcast=True)
+        exponent = ue8m0_exponent(tl.max(tl.abs(b_qf), 1))
+        b_q = to_e4m3(tl.clamp(b_qf * power_of_two(254 - exponent)[:, None], -448.0, 448.0))
+        b_w = b_w * power_of_two(exponent)
     o_n = tl.arange(0, BN)
-    h = tl.zeros([1 << DIGIT], tl.int32)
     for i in range(0, ITERS if ITERS > 0 else tl.cdiv(tl.maximum(nb_t - i_s, 0), S)):
         c = (i_s + i * S) * BN + o_n
         m_c = c < n_t
@@ -137,8 +136,6 @@ def _scores_kernel(
             b_dot = tl.dot(b_k, tl.trans(b_q))  # [BN, HI] fp32
         b_s = tl.where(m_c, tl.sum(tl.maximum(b_dot, 0.0) * b_w[None, :], 1) * b_scale, float("-inf"))
         tl.store(scores + i_t.to(tl.int64) * s_st + c, b_s, mask=c < n_t)
-        h += _digit_hist(b_s, m_c, 0, 0, DIGIT)  # the top-k's first pass, while the scores are here
-    tl.atomic_add(hist + i_t * (1 << DIGIT) + tl.arange(0, 1 << DIGIT), h, sem="relaxed")
 
 
 @triton.jit
@@ -240,7 +237,7 @@ def _row_topk_kernel(
     PASSES: tl.constexpr, DIGIT: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, K_PAD: tl.constexpr,
 ):
     """A whole row's top-k in one program: the radix passes after the first (whose histogram
-    is ``hist[0, t]``), the kept entries, their sort."""
+    ``_hist_kernel`` added into ``hist[0, t]``), the kept entries, their sort."""
     i_t = tl.program_id(0)
     row = scores + i_t.to(tl.int64) * s_st
     hi = tl.load(n + i_t)
@@ -338,44 +335,42 @@ def segments(T, L: int, device: torch.device, block: int) -> tuple[int, int]:
 
 
 def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, k: int,
-                 block: Optional[int] = None, hist: Optional[torch.Tensor] = None) -> None:
+                 block: Optional[int] = None) -> None:
     """The exact top-``k`` of each row's first ``n[t]`` scores (``-inf`` = none) into ``ids`` /
     ``vals [T, k]``: radix passes over :func:`segments` of every row at once, then one sort
-    (any segment count gives the same ids). ``hist``: the zeroed ``[32 / TOPK_DIGIT, T,
-    2**TOPK_DIGIT]`` int32 histograms with the first pass's already added (as
-    ``_scores_kernel`` does), or ``None`` to run that pass here; ``block``: scores per step
-    of the passes (``TOPK_BLOCK``)."""
+    (any segment count gives the same ids); ``block``: scores per step of the passes
+    (``TOPK_BLOCK``)."""
     T, L = scores.shape
     block = block or TOPK_BLOCK
     bins, passes = 1 << TOPK_DIGIT, 32 // TOPK_DIGIT
     S, seg = segments(T, L, scores.device, block)
     iters = triton.cdiv(seg, block) if INTERPRET else 0
     launch = lambda kernel, grid: launchable(kernel, scores)[grid]  # noqa: E731
-    if hist is None:
-        hist = torch.zeros((passes, T, bins), dtype=torch.int32, device=scores.device)
-        launch(_hist_kernel, (T, S))(scores, n, hist, scores.stride(0), seg, T, k,
-                                     PASS=0, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters)
+    hist = torch.zeros((passes, T, bins), dtype=torch.int32, device=scores.device)
+    launch(_hist_kernel, (T, S))(scores, n, hist, scores.stride(0), seg, T, k,
+                                 PASS=0, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, num_warps=HIST_WARPS)
     k_pad = triton.next_power_of_2(k)
     if S == 1:
         launch(_row_topk_kernel, (T,))(scores, n, hist, ids, vals, scores.stride(0), ids.stride(0), k, PASSES=passes,
-                                       DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, K_PAD=k_pad, num_warps=16)
+                                       DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, K_PAD=k_pad, num_warps=HIST_WARPS)
         return
     for p in range(1, passes):
         launch(_hist_kernel, (T, S))(scores, n, hist, scores.stride(0), seg, T, k,
-                                     PASS=p, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters)
+                                     PASS=p, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, num_warps=HIST_WARPS)
     counts = torch.empty((T, S, 2), dtype=torch.int32, device=scores.device)
     launch(_count_kernel, (T, S))(scores, n, hist, counts, scores.stride(0), seg, S, T, k,
-                                  PASSES=passes, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters)
+                                  PASSES=passes, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, num_warps=HIST_WARPS)
     s_pad = triton.next_power_of_2(S)
     launch(_gather_kernel, (T, S))(scores, n, hist, counts, ids, vals, scores.stride(0), ids.stride(0), seg, S, T, k,
-                                   PASSES=passes, DIGIT=TOPK_DIGIT, S_PAD=s_pad, BLOCK=block, ITERS=iters)
+                                   PASSES=passes, DIGIT=TOPK_DIGIT, S_PAD=s_pad, BLOCK=block, ITERS=iters,
+                                   num_warps=HIST_WARPS)
     launch(_sort_kernel, (T,))(hist, counts, ids, vals, ids.stride(0), S, T, k,
                                PASSES=passes, DIGIT=TOPK_DIGIT, S_PAD=s_pad, K_PAD=k_pad, num_warps=16)
 
 
 def _per_chunk(args: IndexerArgs, select) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of token chunks (each under ``SCORES_BYTES``) by ``_scores_kernel`` (with the
-    top-k's first histogram), then ``select(scores, n, hist, lo, hi, ids, vals)`` fills rows
+    """Scores of token chunks (each under ``SCORES_BYTES``) by ``_scores_kernel``, then
+    ``select(scores, n, lo, hi, ids, vals)`` (``n``: the chunk's local counts) fills rows
     ``lo:hi`` of ``(ids, vals [T, k])``; only shapes steer the launches."""
     q, w, cache, table = args.q.contiguous(), args.weights.contiguous(), args.cache, args.block_table
     T, Hi = q.shape[:2]
@@ -395,20 +390,18 @@ def _per_chunk(args: IndexerArgs, select) -> tuple[torch.Tensor, torch.Tensor]:
     for lo, hi in chunks:
         scores = torch.empty((hi - lo, L), dtype=torch.float32, device=q.device)
         n = torch.empty((hi - lo,), dtype=torch.int32, device=q.device)
-        hist = torch.zeros((32 // TOPK_DIGIT, hi - lo, 1 << TOPK_DIGIT), dtype=torch.int32, device=q.device)
         allowed = candidate_mask(args, lo, hi) if args.candidates is not None else n
         S = torch.sym_max(1, torch.sym_min(blocks, SCORE_PROGRAMS_PER_SM * sms // (hi - lo)))
         launchable(_scores_kernel, q)[(hi - lo, S)](
-            q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, hist,
-            n, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
+            q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
             allowed.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, Hi, S,
             rank, world, interleave, args.candidate_block, allowed.shape[-1] - 1,
             HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
-            ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, DIGIT=TOPK_DIGIT,
+            ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET,
             # deeper key prefetch once many tokens share the SMs
             num_stages=4 if statically_known_true(hi - lo >= 32) else 2,
         )
-        select(scores, n, hist, lo, hi, ids[lo:hi], vals[lo:hi])
+        select(scores, n, lo, hi, ids[lo:hi], vals[lo:hi])
     return ids, vals
 
 
@@ -416,8 +409,8 @@ def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids [T, k] int32, scores [T, k] fp32)`` of a validated call (see
     :class:`compile_ops.indexer.inputs.IndexerArgs`)."""
 
-    def select(scores, n, hist, lo, hi, ids, vals):
-        topk_of_rows(scores, n, ids, vals, args.k, hist=hist)
+    def select(scores, n, lo, hi, ids, vals):
+        topk_of_rows(scores, n, ids, vals, args.k)
 
     return _per_chunk(args, select)
 
@@ -425,7 +418,7 @@ def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
 def indexer_candidates_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks [T, k] int32, block scores [T, k] fp32)`` of a validated call."""
 
-    def select(scores, n, hist, lo, hi, ids, vals):
+    def select(scores, n, lo, hi, ids, vals):
         blocks = block_scores(scores, args, lo, hi)
         every = torch.full((hi - lo,), blocks.shape[1], dtype=torch.int32, device=blocks.device)
         topk_of_rows(blocks, every, ids, vals, args.k)

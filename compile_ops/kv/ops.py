@@ -1,7 +1,8 @@
 """``dsv41::write_kv``: schema, validation, fake, dispatch to the ``"kv"`` backends.
 
-The op quantizes rows with :func:`compile_ops.formats.encode_rows` (the format's one
-quantizer) and hands the bytes to a backend, which only stores them.
+A backend takes the rows as given and quantizes and stores them: the reference by
+:func:`compile_ops.formats.encode_rows` (the format's one quantizer), the Triton kernel
+in registers with the same bytes.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from torch import Tensor
 
 from compile_ops import backends
 from compile_ops._checks import check_tensor
-from compile_ops.formats import HEAD_DIM, KVFormat, check_cache, encode_rows, num_slots
-from compile_ops.kv.reference import write_rows_reference
+from compile_ops.formats import HEAD_DIM, KVFormat, check_cache, num_slots
+from compile_ops.kv.reference import write_values_reference
 
 
 def _check_write(cache, slots, kv, kv_format, kv_scale) -> KVFormat:
@@ -31,7 +32,7 @@ def write_kv(cache: Tensor, slots: Tensor, kv: Tensor, kv_format: str, kv_scale:
     fmt = _check_write(cache, slots, kv, kv_format, kv_scale)
     if num_slots(cache) == 0 or slots.shape[0] == 0:
         return
-    backends.implementation("kv", "write_kv", cache.device)(cache, slots, encode_rows(kv, kv_format, kv_scale), fmt)
+    backends.implementation("kv", "write_kv", cache.device)(cache, slots, kv, fmt, kv_scale)
 
 
 @write_kv.register_fake
@@ -43,9 +44,10 @@ write_kv.__doc__ = """Quantize ``kv [N, 512]`` and write row ``i`` to slot ``slo
 
 ``slots`` is ``[N]`` int32/int64; rows whose slot is ``-1`` or out of range are skipped
 (CUDA-graph padding tokens) with no host sync and their memory is never written. Two
-valid rows with the same slot leave that slot's bytes undefined. The rows are encoded by
-:func:`compile_ops.formats.encode_rows` and stored by the ``"kv"`` backend: a Triton kernel on CUDA (one
-masked store per row), ``index_put_`` of byte deltas elsewhere.
+valid rows with the same slot leave that slot's bytes undefined. The rows are encoded as
+:func:`compile_ops.formats.encode_rows` does and stored by the ``"kv"`` backend: on CUDA a
+Triton kernel that quantizes and stores each row in one program, elsewhere
+``encode_rows`` and ``index_put_`` of byte deltas.
 
 Example::
 
@@ -62,4 +64,4 @@ Example::
 
 backends.register_backend("kv", "triton", backends.cuda_with_triton,
                           {"write_kv": backends.imported("compile_ops.kv.triton", "write_rows_triton")})
-backends.register_backend("kv", "reference", backends.any_device, {"write_kv": write_rows_reference})
+backends.register_backend("kv", "reference", backends.any_device, {"write_kv": write_values_reference})

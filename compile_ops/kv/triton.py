@@ -1,44 +1,131 @@
-"""Triton row store of ``write_kv``: one masked store per row (same bytes as
-:mod:`compile_ops.kv.reference`). Runs on CUDA tensors, or on CPU tensors under
-``TRITON_INTERPRET=1``; nothing syncs or allocates, so CUDA graphs capture it."""
+"""Triton row store of ``write_kv`` and ``write_index_keys``: one program per row quantizes
+it and stores its bytes (the same bytes as :mod:`compile_ops.kv.reference`). Runs on CUDA
+tensors, or on CPU tensors under ``TRITON_INTERPRET=1``; nothing syncs or allocates, so
+CUDA graphs capture it."""
 
 from __future__ import annotations
+
+from typing import Union
 
 import torch
 import triton
 import triton.language as tl
 
 from compile_ops._launch import launchable
-from compile_ops.formats import KVFormat
+from compile_ops.formats import AMAX_FLOOR, E4M3_MAX, KVFormat
+from compile_ops.indexer.cache import IndexFormat
+
+RAW, TENSOR_SCALED, BLOCK_SCALED = 0, 1, 2  # how a format stores a row (the kernel's MODE)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 
 @triton.jit
-def _write_rows_kernel(
-    cache_ptr, stride_cp, rows_ptr, slots_ptr, stride_s, n_slots, page_size,
-    DATA: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+def ue8m0_exponent(amax):
+    """``ceil(log2(max(amax, AMAX_FLOOR) / 448)) + 127`` of fp32 ``amax``, exactly (from the
+    bits of the correctly rounded quotient, as :func:`compile_ops.formats.ue8m0_exponent`)."""
+    bits = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX).to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 255) + ((bits & 8388607) != 0).to(tl.int32)
+
+
+@triton.jit
+def power_of_two(exponent):
+    """``2 ** (exponent - 127)`` as fp32, from its bits."""
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_e4m3(x):
+    """fp32 ``x`` (within +-448) as e4m3, rounded to nearest even. The rounding is done in
+    fp32 first (integer bit arithmetic for normal values, an exact-step add for e4m3's
+    subnormals, steps of 2**-9 below 2**-6), so the cast itself is exact: Triton's
+    interpreter truncates in casts, the GPU rounds; both then give torch's bytes."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 524287 + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0  # 24576 = 1.5 * 2**14: its ulp is 2**-9
+    subnormal = tl.where(subnormal == 0.0, x * 0.0, subnormal)  # keep the sign of a zero
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal).to(tl.float8e4nv)
+
+
+@triton.jit
+def to_bf16(x):
+    """fp32 ``x`` as bf16, rounded to nearest even (in fp32 bits first, as :func:`to_e4m3`)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 32767 + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _store_rows_kernel(
+    cache, s_page, values, s_v, slots, s_s, n_slots, page_size, kv_scale,
+    MODE: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr, NB: tl.constexpr,
+    NB_PAD: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, FP32_SCALE: tl.constexpr,
 ):
-    # one program stores one row; DATA / SCALE are the row's data and scale widths in cache
-    # elements (a page holds its data rows, then its scale rows)
+    """Row ``i``: ``values[i, :D]`` quantized into slot ``slots[i]`` (nothing where it is
+    ``-1`` or out of range). ``RAW``: the values as the cache's dtype; ``TENSOR_SCALED``:
+    e4m3 of ``value / kv_scale``; ``BLOCK_SCALED``: the first ``NOPE`` values as e4m3 in
+    ``NB`` blocks of ``QB``, each under a power-of-two scale (``SCALE`` scale bytes per row:
+    ue8m0 exponents, zero padded, or one fp32), the other ``D - NOPE`` as bf16."""
     i_n = tl.program_id(0).to(tl.int64)
-    b_slot = tl.load(slots_ptr + i_n * stride_s).to(tl.int64)
-    m_row = (b_slot >= 0) & (b_slot < n_slots)
-    b_slot = tl.where(m_row, b_slot, 0)
-    b_page = b_slot // page_size
-    b_off = b_slot - b_page * page_size
-    o_e = tl.arange(0, BLOCK)
-    m_e = o_e < DATA + SCALE
-    o_dst = tl.where(o_e < DATA, b_off * DATA + o_e, page_size * DATA + b_off * SCALE + (o_e - DATA))
-    b_x = tl.load(rows_ptr + i_n * (DATA + SCALE) + o_e, mask=m_e)
-    tl.store(cache_ptr + b_page * stride_cp + o_dst, b_x, mask=tl.where(m_row, m_e, False))
+    slot = tl.load(slots + i_n * s_s).to(tl.int64)
+    ok = (slot >= 0) & (slot < n_slots)
+    slot = tl.where(ok, slot, 0)
+    page = slot // page_size
+    off = slot - page * page_size
+    base = cache + page * s_page
+    row = values + i_n * s_v
+    if MODE == 0:
+        o_d = tl.arange(0, D)
+        tl.store(base + off * D + o_d, to_bf16(tl.load(row + o_d).to(tl.float32)), mask=ok)
+    elif MODE == 1:
+        o_d = tl.arange(0, D)
+        x = tl.math.div_rn(tl.load(row + o_d).to(tl.float32), kv_scale)
+        tl.store(base + off * D + o_d, to_e4m3(tl.clamp(x, -_E4M3_MAX, _E4M3_MAX)), mask=ok)
+    else:
+        o_b = tl.arange(0, NB_PAD)
+        o_q = tl.arange(0, QB)
+        o_v = o_b[:, None] * QB + o_q[None, :]
+        m_b = o_b < NB
+        x = tl.load(row + o_v, mask=m_b[:, None], other=0.0).to(tl.float32)
+        exponent = ue8m0_exponent(tl.max(tl.abs(x), 1))
+        inverse = power_of_two(254 - exponent)  # 1 / scale, exact
+        e4m3 = to_e4m3(tl.clamp(x * inverse[:, None], -_E4M3_MAX, _E4M3_MAX)).to(tl.uint8, bitcast=True)
+        data = base + off * DATA
+        tl.store(data + o_v, e4m3, mask=ok & m_b[:, None])
+        if NOPE < D:  # the RoPE values, bf16 after the e4m3 ones
+            o_r = tl.arange(0, D - NOPE)
+            rope = to_bf16(tl.load(row + NOPE + o_r).to(tl.float32))
+            tl.store((data + NOPE).to(tl.pointer_type(tl.bfloat16)) + o_r, rope, mask=ok)
+        scales = base + page_size * DATA + off * SCALE
+        if FP32_SCALE:
+            tl.store(scales.to(tl.pointer_type(tl.float32)) + o_b, power_of_two(exponent), mask=ok & m_b)
+        else:
+            tl.store(scales + o_b, tl.where(m_b, exponent, 0).to(tl.uint8), mask=ok & (o_b < SCALE))
 
 
-def write_rows_triton(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fmt: KVFormat) -> None:
-    """Store encoded rows ``rows [N, bytes_per_token]`` uint8 at ``slots [N]`` of ``cache``;
-    rows whose slot is ``-1`` or out of range store nothing (masked, never addressed)."""
-    size = cache.element_size()
-    rows = rows.contiguous().view(cache.dtype)
-    data, scale = fmt.data_bytes // size, fmt.scale_bytes // size
-    launchable(_write_rows_kernel, cache)[(slots.shape[0],)](
-        cache, cache.stride(0), rows, slots, slots.stride(0), cache.shape[0] * cache.shape[1], cache.shape[1],
-        DATA=data, SCALE=scale, BLOCK=triton.next_power_of_2(data + scale),
+def _layout(fmt: Union[KVFormat, IndexFormat]) -> dict:
+    """The kernel's compile-time description of ``fmt``'s row."""
+    if isinstance(fmt, IndexFormat):
+        if not fmt.fp8:
+            return dict(MODE=RAW, D=fmt.row_width, NOPE=0, QB=1, NB=1, NB_PAD=1, DATA=fmt.row_width, SCALE=0,
+                        FP32_SCALE=False)
+        return dict(MODE=BLOCK_SCALED, D=fmt.data_bytes, NOPE=fmt.data_bytes, QB=fmt.data_bytes, NB=1, NB_PAD=1,
+                    DATA=fmt.data_bytes, SCALE=fmt.scale_bytes, FP32_SCALE=True)
+    if fmt.nope == 0 or fmt.tensor_scaled:
+        return dict(MODE=RAW if fmt.nope == 0 else TENSOR_SCALED, D=fmt.row_width, NOPE=0, QB=1, NB=1, NB_PAD=1,
+                    DATA=fmt.row_width, SCALE=0, FP32_SCALE=False)
+    nb = fmt.nope // fmt.block
+    return dict(MODE=BLOCK_SCALED, D=512, NOPE=fmt.nope, QB=fmt.block, NB=nb,
+                NB_PAD=triton.next_power_of_2(max(nb, fmt.scale_bytes)), DATA=fmt.data_bytes,
+                SCALE=fmt.scale_bytes, FP32_SCALE=False)
+
+
+def write_rows_triton(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+                      fmt: Union[KVFormat, IndexFormat], kv_scale: float = 1.0) -> None:
+    """Quantize ``values [N, width]`` (any float dtype, unit stride along a row) into
+    ``fmt``'s rows and store row ``i`` at ``slots[i]`` of ``cache``; rows whose slot is
+    ``-1`` or out of range store nothing (masked, never addressed)."""
+    values = values if values.stride(-1) == 1 else values.contiguous()
+    launchable(_store_rows_kernel, cache)[(slots.shape[0],)](
+        cache, cache.stride(0), values, values.stride(0), slots, slots.stride(0), cache.shape[0] * cache.shape[1],
+        cache.shape[1], float(kv_scale), **_layout(fmt),
     )
