@@ -146,3 +146,21 @@ def test_reduce_overhead_mode_matches_eager():
     assert sum(counters["inductor"].get(k, 0) for k in ("cudagraph_skips",)) == 0
     for g, w in zip(got, want):
         assert ((g - w).abs().max() / w.abs().max()).item() <= TOL
+
+
+# Kernels one batch-1 decode replay of this layer (its own compressor and indexer) may
+# launch: the step's launch budget, so that a change that adds launches fails here
+DECODE_KERNELS = 80
+
+
+def test_decode_replay_launches_within_its_budget(replayed):
+    """A batch-1 decode step at 1K tokens, replayed, runs at most ``DECODE_KERNELS`` kernels."""
+    from graphs.bench import count_kernels, grow_rows
+
+    runner = replayed["runner"]
+    grow_rows(runner, [0], 1024)
+    x = torch.randn(1, runner.layer.cfg.dim, device="cuda").to(torch.bfloat16)
+    runner.step(x, torch.tensor([1024], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+    launches = count_kernels(runner.graphs[runner.bucket_for(1)].replay)
+    print(f"batch-1 decode replay: {launches} kernels")
+    assert launches <= DECODE_KERNELS, f"a batch-1 decode replay runs {launches} kernels, over {DECODE_KERNELS}"
