@@ -48,9 +48,6 @@ SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill
 SCORE_PROGRAMS_PER_SM = 16  # the scores kernel's grid: enough loads in flight to stream keys
 TOPK_PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 64  # segments a row's top-k passes split it into
-# tl.histogram takes its digits one element per thread at a time (a ballot per bit): the
-# passes need many threads per program
-HIST_WARPS = 16
 ROW_TOPK_BLOCKS = 4  # rows of up to this many top-k blocks take one program each: passes over L2 beat launches
 
 
@@ -348,22 +345,21 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     launch = lambda kernel, grid: launchable(kernel, scores)[grid]  # noqa: E731
     hist = torch.zeros((passes, T, bins), dtype=torch.int32, device=scores.device)
     launch(_hist_kernel, (T, S))(scores, n, hist, scores.stride(0), seg, T, k,
-                                 PASS=0, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, num_warps=HIST_WARPS)
+                                 PASS=0, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters)
     k_pad = triton.next_power_of_2(k)
     if S == 1:
         launch(_row_topk_kernel, (T,))(scores, n, hist, ids, vals, scores.stride(0), ids.stride(0), k, PASSES=passes,
-                                       DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, K_PAD=k_pad, num_warps=HIST_WARPS)
+                                       DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, K_PAD=k_pad, num_warps=16)
         return
     for p in range(1, passes):
         launch(_hist_kernel, (T, S))(scores, n, hist, scores.stride(0), seg, T, k,
-                                     PASS=p, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, num_warps=HIST_WARPS)
+                                     PASS=p, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters)
     counts = torch.empty((T, S, 2), dtype=torch.int32, device=scores.device)
     launch(_count_kernel, (T, S))(scores, n, hist, counts, scores.stride(0), seg, S, T, k,
-                                  PASSES=passes, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, num_warps=HIST_WARPS)
+                                  PASSES=passes, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters)
     s_pad = triton.next_power_of_2(S)
     launch(_gather_kernel, (T, S))(scores, n, hist, counts, ids, vals, scores.stride(0), ids.stride(0), seg, S, T, k,
-                                   PASSES=passes, DIGIT=TOPK_DIGIT, S_PAD=s_pad, BLOCK=block, ITERS=iters,
-                                   num_warps=HIST_WARPS)
+                                   PASSES=passes, DIGIT=TOPK_DIGIT, S_PAD=s_pad, BLOCK=block, ITERS=iters)
     launch(_sort_kernel, (T,))(hist, counts, ids, vals, ids.stride(0), S, T, k,
                                PASSES=passes, DIGIT=TOPK_DIGIT, S_PAD=s_pad, K_PAD=k_pad, num_warps=16)
 
