@@ -96,7 +96,6 @@ def kernels_of(graph: "torch.cuda.CUDAGraph", iters: int = 3) -> dict:
     names = {e.name for e in prof.events() if e.device_type == DeviceType.CUDA}
     top: list = []
     us = kernel_time(graph.replay, iters, top)
-    names = {e.name for e in events}
     # the compressor's and indexer's own kernels: a reader's part of the profile has none
     own = sorted(n for n in names if n.startswith(INDEXER_KERNELS))  # Triton's own names, not torch's gathers
     return {"kernels": count_kernels(graph.replay, iters), "kernel_us": round(us, 1), "top": top[:5], "indexer_kernels": own}
