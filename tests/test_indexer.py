@@ -111,8 +111,8 @@ def test_interpreter_segmented_rows_equal_reference(index_format, monkeypatch):
     from compile_ops.indexer import triton as kernels
 
     monkeypatch.setattr(kernels, "TOPK_BLOCK", 16)
-    args = make_problem(index_format, 3, 8, 2, 12, 16, seed=5, holes=2)
-    assert kernels.segments(3, 12 * 16, args[0].device, 16)[0] > 1
+    args = make_problem(index_format, 3, 8, 2, 24, 16, seed=5, holes=2)
+    assert kernels.segments(3, 24 * 16, args[0].device, 16)[0] > 1
     want = run_reference(*args, 40, index_format)
     got, _ = kernels.indexer_topk_triton(ops._args(*args, 40, ops._check_topk(*args, 40, index_format)))
     assert torch.equal(got, want)

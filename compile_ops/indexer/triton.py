@@ -38,17 +38,17 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compile_ops._launch import INTERPRET, launchable
 from compile_ops.indexer.inputs import IndexerArgs, block_scores, candidate_mask
-from compile_ops.kv.triton import power_of_two, to_e4m3, ue8m0_exponent
+from compile_ops._triton_quant import power_of_two, to_e4m3, ue8m0_exponent
 from compile_ops.mla.plan import num_sms
 
 BN = 64  # entries per scores block
-TOPK_BLOCK = 4096  # scores per step of the top-k passes
+TOPK_BLOCK = 1024  # scores per step of the top-k passes: a short row pays one small step
 TOPK_DIGIT = 8  # bits per radix pass (32 / TOPK_DIGIT passes)
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
 SCORE_PROGRAMS_PER_SM = 16  # the scores kernel's grid: enough loads in flight to stream keys
 TOPK_PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 64  # segments a row's top-k passes split it into
-ROW_TOPK_BLOCKS = 4  # rows of up to this many top-k blocks take one program each: passes over L2 beat launches
+ROW_TOPK_BLOCKS = 16  # rows of up to this many top-k blocks take one program each: passes over L2 beat launches
 
 
 @triton.jit
@@ -105,7 +105,7 @@ def _scores_kernel(
     if FP8:  # q gets the keys' quantizer (quantize_e4m3); its power-of-two scale joins the weights
         b_qf = b_q.to(tl.float32)
         exponent = ue8m0_exponent(tl.max(tl.abs(b_qf), 1))
-        b_q = to_e4m3(tl.clamp(b_qf * power_of_two(254 - exponent)[:, None], -448.0, 448.0))
+        b_q = to_e4m3(b_qf * power_of_two(254 - exponent)[:, None])
         b_w = b_w * power_of_two(exponent)
     o_n = tl.arange(0, BN)
     for i in range(0, ITERS if ITERS > 0 else tl.cdiv(tl.maximum(nb_t - i_s, 0), S)):

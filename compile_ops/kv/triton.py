@@ -12,48 +12,11 @@ import triton
 import triton.language as tl
 
 from compile_ops._launch import launchable
-from compile_ops.formats import AMAX_FLOOR, E4M3_MAX, KVFormat
+from compile_ops._triton_quant import power_of_two, to_bf16, to_e4m3, ue8m0_exponent
+from compile_ops.formats import KVFormat
 from compile_ops.indexer.cache import IndexFormat
 
 RAW, TENSOR_SCALED, BLOCK_SCALED = 0, 1, 2  # how a format stores a row (the kernel's MODE)
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
-
-
-@triton.jit
-def ue8m0_exponent(amax):
-    """``ceil(log2(max(amax, AMAX_FLOOR) / 448)) + 127`` of fp32 ``amax``, exactly (from the
-    bits of the correctly rounded quotient, as :func:`compile_ops.formats.ue8m0_exponent`)."""
-    bits = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX).to(tl.int32, bitcast=True)
-    return ((bits >> 23) & 255) + ((bits & 8388607) != 0).to(tl.int32)
-
-
-@triton.jit
-def power_of_two(exponent):
-    """``2 ** (exponent - 127)`` as fp32, from its bits."""
-    return (exponent << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def to_e4m3(x):
-    """fp32 ``x`` (within +-448) as e4m3, rounded to nearest even. The rounding is done in
-    fp32 first (integer bit arithmetic for normal values, an exact-step add for e4m3's
-    subnormals, steps of 2**-9 below 2**-6), so the cast itself is exact: Triton's
-    interpreter truncates in casts, the GPU rounds; both then give torch's bytes."""
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + 524287 + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    subnormal = (x + 24576.0) - 24576.0  # 24576 = 1.5 * 2**14: its ulp is 2**-9
-    subnormal = tl.where(subnormal == 0.0, x * 0.0, subnormal)  # keep the sign of a zero
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal).to(tl.float8e4nv)
-
-
-@triton.jit
-def to_bf16(x):
-    """fp32 ``x`` as bf16, rounded to nearest even (in fp32 bits first, as :func:`to_e4m3`)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return ((bits + 32767 + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
-
-
 @triton.jit
 def _store_rows_kernel(
     cache, s_page, values, s_v, slots, s_s, n_slots, page_size, kv_scale,
@@ -79,7 +42,7 @@ def _store_rows_kernel(
     elif MODE == 1:
         o_d = tl.arange(0, D)
         x = tl.math.div_rn(tl.load(row + o_d).to(tl.float32), kv_scale)
-        tl.store(base + off * D + o_d, to_e4m3(tl.clamp(x, -_E4M3_MAX, _E4M3_MAX)), mask=ok)
+        tl.store(base + off * D + o_d, to_e4m3(x), mask=ok)
     else:
         o_b = tl.arange(0, NB_PAD)
         o_q = tl.arange(0, QB)
@@ -88,7 +51,7 @@ def _store_rows_kernel(
         x = tl.load(row + o_v, mask=m_b[:, None], other=0.0).to(tl.float32)
         exponent = ue8m0_exponent(tl.max(tl.abs(x), 1))
         inverse = power_of_two(254 - exponent)  # 1 / scale, exact
-        e4m3 = to_e4m3(tl.clamp(x * inverse[:, None], -_E4M3_MAX, _E4M3_MAX)).to(tl.uint8, bitcast=True)
+        e4m3 = to_e4m3(x * inverse[:, None]).to(tl.uint8, bitcast=True)
         data = base + off * DATA
         tl.store(data + o_v, e4m3, mask=ok & m_b[:, None])
         if NOPE < D:  # the RoPE values, bf16 after the e4m3 ones

@@ -14,9 +14,8 @@
   blocks are then split over programs that write fp32 partials, and one reduction sums
   them in split order (deterministic).
 
-The quantizer rounds to e4m3 in fp32 arithmetic, so it equals ``quantize_tokens`` bit for
-bit on the GPU and in the interpreter alike (whose own cast does not carry a mantissa that
-rounds up into the exponent: 125.1 becomes 64). Both run on CUDA tensors, or on CPU
+The quantizer rounds to e4m3 in fp32 arithmetic (:mod:`compile_ops._triton_quant`), so it
+equals ``quantize_tokens`` bit for bit on the GPU and in the interpreter alike. Both run on CUDA tensors, or on CPU
 tensors under ``TRITON_INTERPRET=1`` (loops then have compile-time trip counts). Nothing syncs, and the only allocations are the outputs and the
 partials, so CUDA graphs capture them.
 """
@@ -28,23 +27,12 @@ import triton
 import triton.language as tl
 
 from compile_ops._launch import INTERPRET, launchable
+from compile_ops._triton_quant import round_to_e4m3
 from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, layout_of_block, layout_of_scale
 
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
 TARGET_PROGRAMS = 264
 QUANT_ROWS = 16  # token rows per program of the quantizer
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """``v`` (fp32, ``|v| <= 448``) rounded to the nearest e4m3 value (ties to even), in
-    fp32 arithmetic: 3 mantissa bits for normals, steps of ``2**-9`` below ``2**-6`` (adding
-    and subtracting ``1.5 * 2**23`` rounds ``512 v`` to an integer)."""
-    bits = v.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    normal = bits.to(tl.float32, bitcast=True)
-    subnormal = ((v * 512.0 + 12582912.0) - 12582912.0) / 512.0
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
 @triton.jit
@@ -63,7 +51,7 @@ def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexp
     scale = tl.where(amax > 0, scale, 1.0)
     # rounded before the cast, which then is exact: Triton's fp32 -> e4m3 cast may round
     # twice (through fp16) on the GPU, and does not carry into the exponent in the interpreter
-    v = _round_to_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -QMAX, QMAX))
+    v = round_to_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -QMAX, QMAX))
     tl.store(q + o_m[:, None].to(tl.int64) * K + o_k[None, :], v.to(tl.float8e4nv), mask=mask)
     tl.store(s + i_k.to(tl.int64) * M + o_m, scale, mask=o_m < M)
 

@@ -1,0 +1,58 @@
+"""Rounding helpers the Triton quantizers share (the KV and index-key row store, the
+indexer's query quantizer, the FP8 linear's token quantizer).
+
+Each rounds in fp32 integer or exact-step arithmetic before any cast, so the cast that
+follows is exact and the bytes equal torch's on the GPU and under Triton's interpreter
+alike (the interpreter truncates in casts and does not carry a mantissa that rounds up into
+the exponent; the GPU's fp32 -> e4m3 cast may round twice, through fp16).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from compile_ops.formats import AMAX_FLOOR, E4M3_MAX
+
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """fp32 ``x`` (within +-448) rounded to the nearest e4m3 value, ties to even, as fp32: 3
+    mantissa bits for normals (integer arithmetic on the bits), steps of ``2**-9`` below
+    ``2**-6`` (adding and subtracting ``1.5 * 2**14``, whose ulp is ``2**-9``); a zero keeps
+    its sign."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 524287 + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0
+    subnormal = tl.where(subnormal == 0.0, x * 0.0, subnormal)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def to_e4m3(x):
+    """fp32 ``x`` as e4m3: clamped to +-448, rounded to nearest even (:func:`round_to_e4m3`)."""
+    return round_to_e4m3(tl.clamp(x, -_E4M3_MAX, _E4M3_MAX)).to(tl.float8e4nv)
+
+
+@triton.jit
+def to_bf16(x):
+    """fp32 ``x`` as bf16, rounded to nearest even in the bits first."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 32767 + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def ue8m0_exponent(amax):
+    """``ceil(log2(max(amax, AMAX_FLOOR) / 448)) + 127`` of fp32 ``amax``, exactly (from the
+    bits of the correctly rounded quotient, as :func:`compile_ops.formats.ue8m0_exponent`)."""
+    bits = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX).to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 255) + ((bits & 8388607) != 0).to(tl.int32)
+
+
+@triton.jit
+def power_of_two(exponent):
+    """``2 ** (exponent - 127)`` as fp32, from its bits."""
+    return (exponent << 23).to(tl.float32, bitcast=True)
