@@ -12,7 +12,7 @@ import torch
 import compile_ops
 from compile_ops.bench.linear import FLASH_PROJECTIONS
 from compile_ops.linear import dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
-from compile_ops.linear.quant import E4M3_MAX, LAYOUTS
+from compile_ops.linear.quant import E4M3_MAX, LAYOUTS, WEIGHT_ONLY_TOKENS
 from test_opcheck import opcheck
 
 pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
@@ -78,9 +78,30 @@ def test_reference_equals_the_float64_product_of_the_quantized_operands(M, N, K,
     with compile_ops.use_backends(linear="reference"):
         got = fp8_linear(x, wq, ws)
     xq, xs = quantize_tokens(x, block)
-    oracle = (xq.double() * xs.double().repeat_interleave(block, 1)[:, :K]) @ dequantize_blocks(wq, ws).double().t()
+    xd = x.double() if M <= WEIGHT_ONLY_TOKENS else xq.double() * xs.double().repeat_interleave(block, 1)[:, :K]
+    oracle = xd @ dequantize_blocks(wq, ws).double().t()
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     assert ((got.double() - oracle).abs() <= 2**-8 * oracle.abs() + 1e-5).all()  # one bf16 rounding
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_decode_sized_calls_are_weight_only(block):
+    """Up to ``WEIGHT_ONLY_TOKENS`` tokens the activations stay bf16 (the product of the
+    bf16 tokens and the dequantized weight); one token more and they are quantized."""
+    gen = torch.Generator().manual_seed(block)
+    x = (torch.randn(WEIGHT_ONLY_TOKENS + 1, 256, generator=gen) * 3).bfloat16()
+    wq, ws = quantize_blocks(torch.randn(128, 256, generator=gen) / 16, block)
+    w = dequantize_blocks(wq, ws).double()
+    with compile_ops.use_backends(linear="reference"):
+        small = fp8_linear(x[:WEIGHT_ONLY_TOKENS], wq, ws).double()
+        large = fp8_linear(x, wq, ws).double()
+    exact = x.double() @ w.t()
+    xq, xs = quantize_tokens(x, block)
+    rounded = (xq.double() * xs.double().repeat_interleave(block, 1)) @ w.t()
+    bf16 = 2**-8 * exact.abs() + 1e-5
+    assert ((small - exact[:WEIGHT_ONLY_TOKENS]).abs() <= bf16[:WEIGHT_ONLY_TOKENS]).all()
+    assert ((large - rounded).abs() <= 2**-8 * rounded.abs() + 1e-5).all()
+    assert not ((large - exact).abs() <= bf16).all()  # the activations' rounding shows
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -171,18 +192,25 @@ def build(kernel, signature, constants):
     return triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
-def gemm(scale):
-    return {"a": "*fp8e4nv", "a_s": "*fp32", "b": "*fp8e4nv", "b_s": scale, "c": "*fp32", "M": "i32", "N": "i32",
+def gemm(scale, a="*fp8e4nv"):
+    return {"a": a, "a_s": "*fp32", "b": "*fp8e4nv", "b_s": scale, "c": "*fp32", "M": "i32", "N": "i32",
             "K": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_ask": "i32", "stride_bn": "i32",
             "stride_bs": "i32", "stride_cm": "i32", "GROUP_N": "i32", "BLOCKS_PER_SPLIT": "i32", "BM": "constexpr",
-            "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr", "E8M0": "constexpr"}
+            "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr", "E8M0": "constexpr",
+            "BF16_A": "constexpr", "UPCAST": "constexpr"}
 
 
 for bm in (16, 64):
     for bk, scale in ((128, "*fp32"), (32, "*u8")):
         ptx = build(kernels._fp8_gemm_kernel, gemm(scale),
-                    {"BM": bm, "BN": 128, "BK": bk, "ITERS": 0, "PARTIAL": bm == 16, "E8M0": bk == 32})
+                    {"BM": bm, "BN": 128, "BK": bk, "ITERS": 0, "PARTIAL": bm == 16, "E8M0": bk == 32,
+                     "BF16_A": False, "UPCAST": False})
         print(f"{bm}x{bk}", "wgmma" in ptx or "mma.sync" in ptx)
+for bk, scale in ((128, "*fp32"), (32, "*u8")):  # weight-only decode calls: bf16 tokens
+    ptx = build(kernels._fp8_gemm_kernel, gemm(scale, "*bf16"),
+                {"BM": 16, "BN": 128, "BK": bk, "ITERS": 0, "PARTIAL": True, "E8M0": bk == 32, "BF16_A": True,
+                 "UPCAST": False})
+    print(f"bf16x{bk}", "wgmma" in ptx or "mma.sync" in ptx)
 quant = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
          "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "POW2": "constexpr"}
 for bk in (128, 32):
@@ -192,7 +220,8 @@ for bk in (128, 32):
 
 
 def test_kernel_builds_for_sm90():
-    """The launches the GPU runs (GEMM tiles of 16 and 64 rows, both layouts, the quantizer), compiled for
+    """The launches the GPU runs (GEMM tiles of 16 and 64 rows, both layouts, weight-only
+    16-row tiles, the quantizer), compiled for
     sm_90 without a GPU: in a
     process of its own, since the interpreter (TRITON_INTERPRET=1 here) patches Triton's
     language module for the whole process."""
@@ -205,7 +234,7 @@ def test_kernel_builds_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     # tensor-core MMAs, and correctly rounded divisions in the quantizer
     assert run.stdout.split() == ["16x128", "True", "16x32", "True", "64x128", "True", "64x32", "True",
-                                  "quant128", "True", "quant32", "True"], run.stdout
+                                  "bf16x128", "True", "bf16x32", "True", "quant128", "True", "quant32", "True"], run.stdout
 
 
 @pytest.mark.parametrize("block", BLOCKS)

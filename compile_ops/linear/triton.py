@@ -28,7 +28,7 @@ import triton.language as tl
 
 from compile_ops._launch import INTERPRET, launchable
 from compile_ops._triton_quant import round_to_e4m3
-from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, layout_of_block, layout_of_scale
+from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, WEIGHT_ONLY_TOKENS, layout_of_block, layout_of_scale
 
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
 TARGET_PROGRAMS = 264
@@ -74,7 +74,7 @@ def _fp8_gemm_kernel(
     a, a_s, b, b_s, c, M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bs, stride_cm, GROUP_N,
     BLOCKS_PER_SPLIT,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr, PARTIAL: tl.constexpr,
-    E8M0: tl.constexpr,
+    E8M0: tl.constexpr, BF16_A: tl.constexpr = False, UPCAST: tl.constexpr = False,
 ):
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -97,9 +97,16 @@ def _fp8_gemm_kernel(
                       other=0.0)
         t_b = tl.load(b + o_n[:, None].to(tl.int64) * stride_bn + k[None, :], mask=m_n[:, None] & m_k[None, :],
                       other=0.0)
-        part = tl.dot(t_a, tl.trans(t_b), max_num_imprecise_acc=0)
         live = i * BK < K  # the interpreter's fixed trip count runs past the last block
-        s_a = tl.load(a_s + o_m * stride_asm + i * stride_ask, mask=m_m & live, other=0.0)
+        if BF16_A:  # weight-only: e4m3 to bf16 is exact, the block scale applies after the dot
+            if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
+                part = tl.dot(t_a.to(tl.float32), tl.trans(t_b.to(tl.float32)))
+            else:
+                part = tl.dot(t_a, tl.trans(t_b.to(tl.bfloat16)))
+            s_a = tl.where(m_m & live, 1.0, 0.0)
+        else:
+            part = tl.dot(t_a, tl.trans(t_b), max_num_imprecise_acc=0)
+            s_a = tl.load(a_s + o_m * stride_asm + i * stride_ask, mask=m_m & live, other=0.0)
         if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
             s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0).to(tl.int32)
             s_b = (s_b << 23).to(tl.float32, bitcast=True)
@@ -138,14 +145,19 @@ def k_splits(M: int, N: int, K: int, block: int = BLOCK) -> int:
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       groups: int = 1) -> torch.Tensor:
-    """bf16 ``[M, N]`` of ``x [M, groups * K]`` (bf16 or fp32, quantized per token per block)
-    times e4m3 ``weight [N, K]`` (scales ``[ceil(N/block), ceil(K/block)]``, fp32 or ue8m0)
-    transposed, per group."""
+    """bf16 ``[M, N]`` of ``x [M, groups * K]`` (bf16 or fp32; quantized per token per block
+    past ``WEIGHT_ONLY_TOKENS`` tokens, else taken in bf16 against the weight dequantized in
+    registers) times e4m3 ``weight [N, K]`` (scales ``[ceil(N/block), ceil(K/block)]``, fp32
+    or ue8m0) transposed, per group."""
     layout = layout_of_scale(weight_scale)
     block = layout.block
     M = x.shape[0]
     N, K = weight.shape
-    xq, x_scale = quantize_tokens_triton(x, block)
+    weight_only = M <= WEIGHT_ONLY_TOKENS
+    if weight_only:
+        xq, x_scale = x.contiguous().to(torch.bfloat16), x.new_empty((0, 0), dtype=torch.float32)
+    else:
+        xq, x_scale = quantize_tokens_triton(x, block)
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
     if layout.power_of_two:
         weight_scale = weight_scale.view(torch.uint8)
@@ -159,7 +171,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         xq, x_scale, weight, weight_scale, target, M, N, K, xq.stride(0), x_scale.stride(0), x_scale.stride(1),
         weight.stride(0), weight_scale.stride(0), N, N // groups, per_split,
         BM=BM, BN=TILE_N, BK=block, ITERS=per_split if INTERPRET else 0, PARTIAL=partial, E8M0=layout.power_of_two,
-        num_warps=8 if BM == 16 else 4,
+        BF16_A=weight_only, UPCAST=INTERPRET, num_warps=8 if BM == 16 else 4,
     )
     if partial:
         launchable(_sum_splits_kernel, x)[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLITS=splits,
