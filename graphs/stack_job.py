@@ -42,7 +42,6 @@ TINY_KINDS = {"SWA only": (0, 1), "kv+index source, ratio 2": (1, 1), "reader, r
               "kv+index+candidate source, ratio 1": (4, 1), "reader, ratio 1": (5, 1),
               "index source in candidates": (6, 1), "reader of an index source": (7, 1)}
 BATCHES = (1, 64, 256)
-INDEXER_KERNELS = ("_scores_kernel", "_hist_kernel", "_select_kernel", "_gather_kernel", "_sort_kernel")
 CONTEXT = 1024
 
 
@@ -97,7 +96,9 @@ def kernels_of(graph: "torch.cuda.CUDAGraph", iters: int = 3) -> dict:
     top: list = []
     us = kernel_time(graph.replay, iters, top)
     # the compressor's and indexer's own kernels: a reader's part of the profile has none
-    own = sorted(n for n in names if n.startswith(INDEXER_KERNELS))  # Triton's own names, not torch's gathers
+    from compile_ops.indexer.triton import KERNEL_NAMES  # Triton's own names, not torch's gathers
+
+    own = sorted(n for n in names if n.startswith(KERNEL_NAMES))
     return {"kernels": count_kernels(graph.replay, iters), "kernel_us": round(us, 1), "top": top[:5], "indexer_kernels": own}
 
 

@@ -9,8 +9,8 @@ body under the mode; the Triton launchers see ``FunctionalTensor`` arguments and
 through :func:`torch.library.wrap_triton`, so the traced graph holds
 ``triton_kernel_wrapper_functional`` nodes that Inductor (and AOTInductor) compile into
 their own generated code next to the fused kernels around them, with no dispatcher call.
-``write_kv`` (the ``"kv"`` family) inlines as its torch quantizer, which Inductor fuses,
-plus the Triton row store. The indexer's ``write_index_keys`` and ``indexer_topk`` inline
+``write_kv`` (the ``"kv"`` family) inlines as its Triton row store, which quantizes each
+row in the kernel. The indexer's ``write_index_keys`` and ``indexer_topk`` inline
 when Inductor compiles for AOTInductor (``torch._inductor.config.cpp_wrapper``; the top-k
 when every step's scores fit one scratch chunk for the traced range of ``T``), so an
 AOTInductor package of the decode step on CUDA calls no ``dsv41`` op at all; under

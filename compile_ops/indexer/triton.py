@@ -420,3 +420,8 @@ def indexer_candidates_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Te
         topk_of_rows(blocks, every, ids, vals, args.k)
 
     return _per_chunk(args, select)
+
+
+# the names of this module's kernels, as a profile shows them
+KERNEL_NAMES = tuple(k.fn.__name__ for k in (_scores_kernel, _row_topk_kernel, _hist_kernel, _count_kernel,
+                                             _gather_kernel, _sort_kernel))
