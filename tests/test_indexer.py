@@ -119,6 +119,31 @@ def test_interpreter_segmented_rows_equal_reference(index_format, monkeypatch):
 
 
 @pytest.mark.parametrize("index_format", FORMATS)
+@pytest.mark.parametrize("rank, world, interleave", [(0, 2, 1), (1, 2, 1), (1, 2, 4), (2, 3, 2)])
+def test_interpreter_dcp_shard_equals_reference(index_format, rank, world, interleave):
+    """A DCP rank's call (global counts, this rank's cache): the kernels count the rank's
+    entries and map its columns to global candidate blocks themselves; the ids, with and
+    without candidates, and the candidate blocks are exactly the reference's."""
+    pytest.importorskip("triton")
+    from compile_ops.indexer import triton as kernels
+    from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference
+
+    args = make_problem(index_format, 8, 3, 2, 3, 4, seed=rank + 7 * interleave, holes=1)
+    gen = torch.Generator().manual_seed(world)
+    # global counts, past the rank's 12 addressable entries and short of them
+    args = (*args[:5], torch.randint(-1, world * 12 + 3, (8,), generator=gen, dtype=i32))
+    fmt = ops._check_topk(*args, 6, index_format)
+    shard = (rank, world, interleave)
+    plain = ops._args(*args, 6, fmt, shard=shard)
+    assert torch.equal(kernels.indexer_topk_triton(plain)[0], indexer_topk_reference(plain)[0])
+    blocks = ops._args(*args, 3, fmt, candidate_block=2, shard=shard)
+    want_blocks = indexer_candidates_reference(blocks)[0]
+    assert torch.equal(kernels.indexer_candidates_triton(blocks)[0], want_blocks)
+    inside = ops._args(*args, 6, fmt, candidates=want_blocks, candidate_block=2, shard=shard)
+    assert torch.equal(kernels.indexer_topk_triton(inside)[0], indexer_topk_reference(inside)[0])
+
+
+@pytest.mark.parametrize("index_format", FORMATS)
 def test_write_index_keys_round_trip(index_format):
     """Written keys read back within the stated bound (fp8: ``2**-4 |x| + 2**-10 s``; bf16:
     bf16 rounding); ``-1`` and out-of-range slots write nothing."""
