@@ -100,18 +100,22 @@ def check_sparse_mla(kv_format: str, gen: torch.Generator, device, into_buffers:
     return Row(f"{name}[{kv_format}]", backend, f"T={T} H={H} W={W} K={K} page={page}", error, tolerance)
 
 
-def check_fp8_linear(block: int, gen: torch.Generator, device) -> Row:
-    """``fp8_linear`` (grouped, in the block layout ``block``) against the float64 product
-    of its quantized operands: tokens rounded per token per block, the weight's blocks."""
-    from compile_ops.linear import dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
+def check_fp8_linear(block: int, M: int, gen: torch.Generator, device) -> Row:
+    """``fp8_linear`` (grouped, in the block layout ``block``, ``M`` tokens) against the
+    float64 product of its operands as the op takes them: the weight's blocks, and the
+    tokens rounded per token per block (more than ``WEIGHT_ONLY_TOKENS`` of them) or in bf16."""
+    from compile_ops.linear import WEIGHT_ONLY_TOKENS, dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
 
-    M, N, K, G = 5, 256, 384, 2
+    N, K, G = 256, 384, 2
     x = torch.randn(M, G * K, generator=gen).bfloat16()
     w = torch.randn(N, K, generator=gen) / K**0.5
     wq, ws = quantize_blocks(w, block)
     got = fp8_linear(x.to(device), wq.to(device), ws.to(device), G).cpu().double()
-    xq, xs = quantize_tokens(x, block)
-    xd = xq.double() * xs.double().repeat_interleave(block, 1)
+    if M <= WEIGHT_ONLY_TOKENS:
+        xd = x.double()
+    else:
+        xq, xs = quantize_tokens(x, block)
+        xd = xq.double() * xs.double().repeat_interleave(block, 1)
     wd = dequantize_blocks(wq, ws).double()
     want = torch.einsum("mgk,gnk->mgn", xd.view(M, G, K), wd.view(G, N // G, K)).reshape(M, N)
     error = ((got - want).abs() / want.abs().amax(-1, keepdim=True)).max().item()
@@ -409,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += check_writes(gen, device)
         rows += [check_indexer_topk(f, gen, device) for f in ("bf16", "fp8")]
         rows += [check_indexer_candidates(f, gen, device) for f in ("bf16", "fp8")]
-        rows += [check_fp8_linear(block, gen, device) for block in (128, 32)]
+        rows += [check_fp8_linear(block, M, gen, device) for block in (128, 32) for M in (5, 20)]
         rows += check_slots(gen, device)
         rows.append(check_lse_combine(gen, device))
         if not args.no_dcp:
