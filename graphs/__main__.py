@@ -45,7 +45,7 @@ from compile_ops._cli import description
 from compile_ops.formats import KV_FORMATS
 from graphs import DEFAULT_BUCKETS, PRESETS, TINY, V41_FLASH, CacheConfig, DSV41Attention, StepRunner, buffer_bytes
 from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
-                          time_large_steps, time_prefill, time_replay, weight_bytes)
+                          time_large_steps, time_page_planning, time_prefill, time_replay, weight_bytes)
 from graphs.fp8 import FP8_WEIGHTS_REL_TOL, dequantized_state_dict
 from graphs.naive import FP8_CACHE_REL_TOL, REL_TOL, oracle_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
@@ -443,6 +443,12 @@ def main(argv=None) -> int:
         plot({k: v["rows"] for k, v in results.items() if v.get("rows")}, args.plot,
              f"{first['config']} attention layer decode step at 1024 tokens, {torch.cuda.get_device_name(device)}")
         print(f"plot: {args.plot}")
+    planning = time_page_planning()
+    print("host page planning per decode step at 1024 tokens (V4.1-Flash serving geometry): "
+          + ", ".join(f"batch {r['batch']} {r['host_us']} us" for r in planning))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**results, "page_planning": planning}, f, indent=1)
     failed = [name for name, info in results.items() if not info["passed"]]
     print(f"\n{'FAIL: ' + ', '.join(failed) if failed else 'PASS: every layer'} "
           f"(every token against the full-history oracle, within each verdict's tolerance of max |y|)")

@@ -125,6 +125,31 @@ def kernel_time(fn: Callable[[], object], iters: int = 5, top: Optional[list] = 
     return sum(e.self_device_time_total for e in kernels) / iters
 
 
+def time_page_planning(batches=(1, 64, 256), steps: int = 200, context: int = 1024) -> list[dict]:
+    """Host microseconds per decode step of the page allocator alone (``plan``,
+    ``take_changes``, ``trim``: the Python part of :meth:`StepRunner.step`) for ``b``
+    requests decoding at ``context`` tokens, in the V4.1-Flash serving geometry of
+    :func:`flash_layer` (256 rows, 139264-token sequences, 64-token pages, ratio 2)."""
+    from graphs.pages import PageAllocator
+
+    cache = flash_cache(max_requests=256, max_seq_len=139264, kv_format="fp8_dsv41")
+    rows = []
+    for b in batches:
+        pages = PageAllocator(cache, 2, V41_FLASH.window_size)
+        for r in range(b):
+            pages.grow(r, context)
+        pages.take_changes()
+        req = torch.arange(b, dtype=torch.int32)
+        steps_pos = [torch.full((b,), context + i, dtype=torch.int32) for i in range(steps)]
+        start = time.perf_counter()
+        for pos in steps_pos:
+            pages.plan(pos, req)
+            pages.take_changes()
+            pages.trim()
+        rows.append({"batch": b, "host_us": round((time.perf_counter() - start) / steps * 1e6, 1)})
+    return rows
+
+
 def count_kernels(fn: Callable[[], object], iters: int = 3) -> int:
     """Kernels (and device memcpy/memset) ``fn`` launches per call, by ``torch.profiler``
     (a CUDA graph's replay: the kernels inside it)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -91,6 +92,10 @@ class PageAllocator:
         self.high = [-1] * R
         self._swa_low = [0] * R  # lowest SWA column a row may still hold
         self._cmp_columns = {r: [0] * R for r in self.ratios}  # compressed columns given (a prefix of the row)
+        # per ratio: (ratio, entries per page, columns given per row), for the per-step loop
+        self._cmp = [(r, cache.block_size(r), self._cmp_columns[r]) for r in self.ratios]
+        # this rank's share of global entries 0 .. n - 1 (CacheConfig.local_entries)
+        self._local_entries = (lambda n: n) if cache.dcp_world == 1 else (lambda n: cache.local_entries(n, rank))
         # (row, column) -> page of the entries changed since take_changes, the last change
         # of an entry winning (one index_put_ of duplicate indices would pick either)
         self._changes: dict = {kind: {} for kind in self._rows}
@@ -107,38 +112,39 @@ class PageAllocator:
 
     def runs(self, positions: Sequence[int] | Tensor, token_to_req: Sequence[int] | Tensor) -> list[tuple[int, int, int]]:
         """The step's ``(row, first position, tokens)`` per request, after checking its layout."""
-        pos, req = torch.as_tensor(positions).long().flatten(), torch.as_tensor(token_to_req).long().flatten()
+        # numpy, not torch: a host step is a few dozen small array operations, and each
+        # torch call costs microseconds of dispatch
+        pos, req = _host_array(positions), _host_array(token_to_req)
         if pos.shape != req.shape:
-            raise ValueError(f"positions and token_to_req differ in length ({pos.numel()} vs {req.numel()})")
-        R, n = len(self.length), pos.numel()
-        bad = ((req < 0) | (req >= R)).nonzero()
-        if bad.numel():
-            i = int(bad[0])
+            raise ValueError(f"positions and token_to_req differ in length ({pos.size} vs {req.size})")
+        R, n = len(self.length), pos.size
+        if n and (req.min() < 0 or req.max() >= R):
+            i = int(np.flatnonzero((req < 0) | (req >= R))[0])
             raise ValueError(f"token {i}: request row {int(req[i])} is outside [0, {R})")
-        starts = torch.ones(n, dtype=torch.bool)
-        starts[1:] = req[1:] != req[:-1]
-        first = starts.nonzero().flatten()
-        counts = torch.diff(first, append=torch.tensor([n]))
+        first = np.flatnonzero(np.concatenate(([True], req[1:] != req[:-1]))) if n else np.zeros(0, np.int64)
+        counts = np.empty_like(first)
+        counts[:-1] = first[1:] - first[:-1]
+        counts[-1:] = n - first[-1:]
         rows, p0 = req[first], pos[first]
-        expected = p0.repeat_interleave(counts) + torch.arange(n) - first.repeat_interleave(counts)
-        bad = (pos != expected).nonzero()
-        if bad.numel():
-            i = int(bad[0])
+        expected = np.repeat(p0 - first, counts) + np.arange(n)
+        if (pos != expected).any():
+            i = int(np.flatnonzero(pos != expected)[0])
             raise ValueError(f"token {i}: request {int(req[i])}'s tokens must be at consecutive positions "
                              f"({int(expected[i])} expected, got {int(pos[i])})")
-        if rows.unique().numel() != rows.numel():
+        rows = rows.tolist()
+        if len(set(rows)) != len(rows):
             raise ValueError("each request's tokens must be contiguous in the step (a request appears in two runs)")
-        runs = list(zip(rows.tolist(), p0.tolist(), counts.tolist()))
+        runs = list(zip(rows, p0.tolist(), counts.tolist()))
+        max_seq_len, rewind, length, high = self.cache.max_seq_len, self.cache.max_rewind, self.length, self.high
         for r, p0, n in runs:
-            if p0 < 0 or p0 + n > self.cache.max_seq_len:
+            if p0 < 0 or p0 + n > max_seq_len:
                 raise ValueError(f"request {r}: positions {p0}..{p0 + n - 1} outside [0, max_seq_len="
-                                 f"{self.cache.max_seq_len})")
-            if p0 > self.length[r]:
-                raise ValueError(f"request {r} has {self.length[r]} tokens: a step cannot start at position {p0}")
-            if p0 < self.high[r] + 1 - self.cache.max_rewind:
-                raise ValueError(f"request {r} wrote up to position {self.high[r]}: a step may rewind at most "
-                                 f"max_rewind={self.cache.max_rewind} positions, so start at >= "
-                                 f"{self.high[r] + 1 - self.cache.max_rewind}, not {p0}")
+                                 f"{max_seq_len})")
+            if p0 > length[r]:
+                raise ValueError(f"request {r} has {length[r]} tokens: a step cannot start at position {p0}")
+            if p0 < high[r] + 1 - rewind:
+                raise ValueError(f"request {r} wrote up to position {high[r]}: a step may rewind at most "
+                                 f"max_rewind={rewind} positions, so start at >= {high[r] + 1 - rewind}, not {p0}")
         return runs
 
     def plan(self, positions: Sequence[int] | Tensor, token_to_req: Sequence[int] | Tensor) -> None:
@@ -147,8 +153,9 @@ class PageAllocator:
         ``ValueError`` for a bad layout (nothing changed) and ``RuntimeError`` when a pool
         runs out (the pages given so far stay given)."""
         runs = self.runs(positions, token_to_req)
+        window = self.window
         for r, p0, n in runs:
-            self._give_run(r, max(0, p0 - self.window + 1), p0 + n)
+            self._give_run(r, p0 - window + 1 if p0 >= window else 0, p0 + n)
         self._touched = [r for r, _, _ in runs]
 
     def grow(self, row: int, length: int) -> None:
@@ -166,26 +173,29 @@ class PageAllocator:
 
     def _give_run(self, r: int, swa_from: int, end: int) -> None:
         ps = self.cache.page_size
+        swa = self._rows["swa"][r]
         for col in range(swa_from // ps, (end - 1) // ps + 1):
-            self._give(r, col, "swa")
-        for ratio in self.ratios:
-            block, given = self.cache.block_size(ratio), self._cmp_columns[ratio]
-            entries = self.cache.local_entries(end // ratio, self.rank)  # this rank's share
+            if swa[col] < 0:
+                self._give(r, col, "swa")
+        for ratio, block, given in self._cmp:
+            entries = self._local_entries(end // ratio)  # this rank's share
             while given[r] < -(-entries // block):
                 self._give(r, given[r], ratio)
                 given[r] += 1
         self.length[r] = end
-        self.high[r] = max(self.high[r], end - 1)
+        if end > self.high[r]:
+            self.high[r] = end - 1
 
     def trim(self) -> None:
         """Give back the SWA pages of the last planned step's requests that no later step
         reads (call it once that step is launched: later work reuses them in stream order)."""
-        keep = self.cache.swa_keep(self.window)
+        keep, ps, swa_low = self.cache.swa_keep(self.window), self.cache.page_size, self._swa_low
         for r in self._touched:
-            low = max(0, self.high[r] - keep) // self.cache.page_size
-            for col in range(self._swa_low[r], low):
-                self._free(r, col, "swa")
-            self._swa_low[r] = max(self._swa_low[r], low)
+            low = max(0, self.high[r] - keep) // ps
+            if low > swa_low[r]:
+                for col in range(swa_low[r], low):
+                    self._free(r, col, "swa")
+                swa_low[r] = low
         self._touched = []
 
     def release(self, row: int) -> None:
@@ -247,3 +257,10 @@ class PageAllocator:
             self._pools[kind].give(table[col])
             table[col] = -1
             self._changes[kind][row, col] = -1
+
+
+def _host_array(values: Sequence[int] | Tensor) -> np.ndarray:
+    """Host integers (a CPU tensor or a sequence) as a flat int64 array."""
+    if isinstance(values, Tensor):
+        return values.detach().reshape(-1).numpy().astype(np.int64, copy=False)
+    return np.asarray(values, dtype=np.int64).reshape(-1)
