@@ -197,20 +197,20 @@ def gemm(scale, a="*fp8e4nv"):
             "K": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_ask": "i32", "stride_bn": "i32",
             "stride_bs": "i32", "stride_cm": "i32", "GROUP_N": "i32", "BLOCKS_PER_SPLIT": "i32", "BM": "constexpr",
             "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr", "E8M0": "constexpr",
-            "BF16_A": "constexpr", "UPCAST": "constexpr"}
+            "BF16_A": "constexpr", "UPCAST": "constexpr", "SB": "constexpr"}
 
 
 for bm in (16, 64):
     for bk, scale in ((128, "*fp32"), (32, "*u8")):
         ptx = build(kernels._fp8_gemm_kernel, gemm(scale),
                     {"BM": bm, "BN": 128, "BK": bk, "ITERS": 0, "PARTIAL": bm == 16, "E8M0": bk == 32,
-                     "BF16_A": False, "UPCAST": False})
+                     "BF16_A": False, "UPCAST": False, "SB": 0})
         print(f"{bm}x{bk}", "wgmma" in ptx or "mma.sync" in ptx)
-for bk, scale in ((128, "*fp32"), (32, "*u8")):  # weight-only decode calls: bf16 tokens
+for sb, scale in ((0, "*fp32"), (32, "*u8")):  # weight-only decode calls: bf16 tokens, 128-wide K steps
     ptx = build(kernels._fp8_gemm_kernel, gemm(scale, "*bf16"),
-                {"BM": 16, "BN": 128, "BK": bk, "ITERS": 0, "PARTIAL": True, "E8M0": bk == 32, "BF16_A": True,
-                 "UPCAST": False})
-    print(f"bf16x{bk}", "wgmma" in ptx or "mma.sync" in ptx)
+                {"BM": 16, "BN": 128, "BK": 128, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "BF16_A": True,
+                 "UPCAST": False, "SB": sb})
+    print(f"bf16x{sb or 128}", "wgmma" in ptx or "mma.sync" in ptx)
 quant = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
          "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "POW2": "constexpr"}
 for bk in (128, 32):

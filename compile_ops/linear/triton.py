@@ -33,6 +33,7 @@ from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, WEIGHT_ONLY_TOKENS
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
 TARGET_PROGRAMS = 264
 QUANT_ROWS = 16  # token rows per program of the quantizer
+WIDE_STEP = 128  # K per step of a weight-only GEMM of 32-blocks: one dot over 4 scale blocks
 
 
 @triton.jit
@@ -74,7 +75,7 @@ def _fp8_gemm_kernel(
     a, a_s, b, b_s, c, M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bs, stride_cm, GROUP_N,
     BLOCKS_PER_SPLIT,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr, PARTIAL: tl.constexpr,
-    E8M0: tl.constexpr, BF16_A: tl.constexpr = False, UPCAST: tl.constexpr = False,
+    E8M0: tl.constexpr, BF16_A: tl.constexpr = False, UPCAST: tl.constexpr = False, SB: tl.constexpr = 0,
 ):
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -98,21 +99,31 @@ def _fp8_gemm_kernel(
         t_b = tl.load(b + o_n[:, None].to(tl.int64) * stride_bn + k[None, :], mask=m_n[:, None] & m_k[None, :],
                       other=0.0)
         live = i * BK < K  # the interpreter's fixed trip count runs past the last block
-        if BF16_A:  # weight-only: e4m3 to bf16 is exact, the block scale applies after the dot
+        if SB > 0:  # weight-only, power-of-two scales of SB x SB blocks inside the step: the
+            # weight tile is dequantized in registers first (exact in bf16), then one wide dot
+            e = tl.load(b_s + (o_n // SB)[:, None] * stride_bs + (k // SB)[None, :],
+                        mask=m_n[:, None] & m_k[None, :], other=0).to(tl.int32)
+            w = t_b.to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)
             if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
-                part = tl.dot(t_a.to(tl.float32), tl.trans(t_b.to(tl.float32)))
+                acc += tl.dot(t_a.to(tl.float32), tl.trans(w))
             else:
-                part = tl.dot(t_a, tl.trans(t_b.to(tl.bfloat16)))
-            s_a = tl.where(m_m & live, 1.0, 0.0)
+                acc += tl.dot(t_a, tl.trans(w.to(tl.bfloat16)))
         else:
-            part = tl.dot(t_a, tl.trans(t_b), max_num_imprecise_acc=0)
-            s_a = tl.load(a_s + o_m * stride_asm + i * stride_ask, mask=m_m & live, other=0.0)
-        if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
-            s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0).to(tl.int32)
-            s_b = (s_b << 23).to(tl.float32, bitcast=True)
-        else:
-            s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0.0)
-        acc += part * s_a[:, None] * s_b[None, :]
+            if BF16_A:  # weight-only: e4m3 to bf16 is exact, the block scale applies after the dot
+                if UPCAST:
+                    part = tl.dot(t_a.to(tl.float32), tl.trans(t_b.to(tl.float32)))
+                else:
+                    part = tl.dot(t_a, tl.trans(t_b.to(tl.bfloat16)))
+                s_a = tl.where(m_m & live, 1.0, 0.0)
+            else:
+                part = tl.dot(t_a, tl.trans(t_b), max_num_imprecise_acc=0)
+                s_a = tl.load(a_s + o_m * stride_asm + i * stride_ask, mask=m_m & live, other=0.0)
+            if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
+                s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0).to(tl.int32)
+                s_b = (s_b << 23).to(tl.float32, bitcast=True)
+            else:
+                s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0.0)
+            acc += part * s_a[:, None] * s_b[None, :]
     out = c + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :]
     if PARTIAL:
         tl.store(out + i_s.to(tl.int64) * M * N, acc, mask=m_m[:, None] & m_n[None, :])
@@ -162,16 +173,19 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     if layout.power_of_two:
         weight_scale = weight_scale.view(torch.uint8)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-    BM, k_blocks = tile_rows(M), triton.cdiv(K, block)
-    splits = k_splits(M, N, K, block)
+    # a weight-only call of 32-blocks steps through K 128 at a time (4 scale blocks per dot)
+    wide = weight_only and layout.power_of_two
+    step = WIDE_STEP if wide else block
+    BM, k_blocks = tile_rows(M), triton.cdiv(K, step)
+    splits = k_splits(M, N, K, step)
     per_split = triton.cdiv(k_blocks, splits)
     partial = splits > 1
     target = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if partial else out
     launchable(_fp8_gemm_kernel, x)[(triton.cdiv(M, BM), triton.cdiv(N, TILE_N), splits)](
         xq, x_scale, weight, weight_scale, target, M, N, K, xq.stride(0), x_scale.stride(0), x_scale.stride(1),
         weight.stride(0), weight_scale.stride(0), N, N // groups, per_split,
-        BM=BM, BN=TILE_N, BK=block, ITERS=per_split if INTERPRET else 0, PARTIAL=partial, E8M0=layout.power_of_two,
-        BF16_A=weight_only, UPCAST=INTERPRET, num_warps=8 if BM == 16 else 4,
+        BM=BM, BN=TILE_N, BK=step, ITERS=per_split if INTERPRET else 0, PARTIAL=partial, E8M0=layout.power_of_two,
+        BF16_A=weight_only, UPCAST=INTERPRET, SB=block if wide else 0, num_warps=8 if BM == 16 else 4,
     )
     if partial:
         launchable(_sum_splits_kernel, x)[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLITS=splits,
