@@ -37,8 +37,8 @@ import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops.indexer.inputs import IndexerArgs, block_scores, candidate_mask
 from compile_ops._triton_quant import power_of_two, to_e4m3, ue8m0_exponent
+from compile_ops.indexer.inputs import IndexerArgs, block_scores, candidate_mask
 from compile_ops.mla.plan import num_sms
 
 BN = 64  # entries per scores block
