@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -105,10 +105,17 @@ def time_replay(graph: "torch.cuda.CUDAGraph", iters: int) -> float:
     return begin.elapsed_time(end) / iters * 1e3
 
 
-def kernel_time(fn: Callable[[], object], iters: int = 5, top: Optional[list] = None) -> float:
-    """Sum of the GPU times of the kernels (and device memcpy/memset) ``fn`` runs, in
-    microseconds per call, from ``torch.profiler``; 0 if the profiler saw none. ``top``,
-    if given, receives the 8 costliest kernels as ``(name, us per call)``."""
+class KernelProfile(NamedTuple):
+    """What ``torch.profiler`` saw of one call (kernels and device memcpy / memset)."""
+
+    us: float  # summed GPU microseconds per call (0: the profiler saw none)
+    count: int  # kernels per call
+    top: list  # the 8 costliest as (name, us per call)
+    names: frozenset  # every kernel's name
+
+
+def profile_kernels(fn: Callable[[], object], iters: int = 5) -> KernelProfile:
+    """The kernels ``fn`` runs per call (a CUDA graph's replay: the kernels inside it)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -119,10 +126,11 @@ def kernel_time(fn: Callable[[], object], iters: int = 5, top: Optional[list] = 
             fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    if top is not None:
-        costly = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
-        top.extend((e.key[:80], round(e.self_device_time_total / iters, 1)) for e in costly)
-    return sum(e.self_device_time_total for e in kernels) / iters
+    costly = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+    return KernelProfile(sum(e.self_device_time_total for e in kernels) / iters,
+                         round(sum(e.count for e in kernels) / iters),
+                         [(e.key[:80], round(e.self_device_time_total / iters, 1)) for e in costly],
+                         frozenset(e.key for e in kernels))
 
 
 def time_page_planning(batches=(1, 64, 256), steps: int = 200, context: int = 1024) -> list[dict]:
@@ -148,21 +156,6 @@ def time_page_planning(batches=(1, 64, 256), steps: int = 200, context: int = 10
             pages.trim()
         rows.append({"batch": b, "host_us": round((time.perf_counter() - start) / steps * 1e6, 1)})
     return rows
-
-
-def count_kernels(fn: Callable[[], object], iters: int = 3) -> int:
-    """Kernels (and device memcpy/memset) ``fn`` launches per call, by ``torch.profiler``
-    (a CUDA graph's replay: the kernels inside it)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return round(sum(e.device_type == DeviceType.CUDA for e in prof.events()) / iters)
 
 
 @torch.no_grad()
@@ -195,14 +188,12 @@ def time_batches(runner: StepRunner, eager: StepRunner, batches, position: int, 
             row["step_us"] = time_host(lambda: runner.step(x, positions, req), device, replay_iters)
             row["replay_us"] = time_replay(runner.graphs[bucket], replay_iters)
             if b in profile_batches:
-                row["top_kernels"] = []
-                row["kernels_us"] = kernel_time(runner.graphs[bucket].replay, top=row["top_kernels"])
-                row["kernels_per_step"] = count_kernels(runner.graphs[bucket].replay)
+                prof = profile_kernels(runner.graphs[bucket].replay)
                 row["kernels_from"] = "graph replay"
-                if not row["kernels_us"]:  # the profiler saw no kernels inside the graph
-                    row["top_kernels"] = []
-                    row["kernels_us"] = kernel_time(compiled_step, top=row["top_kernels"])
+                if not prof.us:  # the profiler saw no kernels inside the graph
+                    prof = profile_kernels(compiled_step)
                     row["kernels_from"] = "compiled step without graph"
+                row.update(kernels_us=prof.us, kernels_per_step=prof.count, top_kernels=prof.top)
         rows.append(row)
     return rows
 
@@ -258,15 +249,16 @@ def time_prefill(runner: StepRunner, prompt: int, chunk: int, row: int = 0) -> d
     run()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    top: list = []
+    prof = None
     if chunk in runner.graphs:  # the last chunk's graph, replayed again: where a chunk's time goes
-        kernels = kernel_time(runner.graphs[chunk].replay, iters=2, top=top)
+        prof = profile_kernels(runner.graphs[chunk].replay, iters=2)
     entries = sum((p + 1) // ratio for p in range(prompt)) if layer.compress_ratio else 0
     flops = step_flops(layer, prompt, entries)
     runner.release(row)
     return {"prompt": prompt, "chunk": chunk, "ms": round(seconds * 1e3, 2), "tokens_per_s": round(prompt / seconds),
             "tflops": round(flops / seconds / 1e12, 1), "pct_of_bf16_rate": round(100 * flops / seconds / BF16_FLOPS_PER_S, 1),
-            "chunk_kernels_us": round(kernels, 1) if top else None, "chunk_top_kernels": top}
+            "chunk_kernels_us": round(prof.us, 1) if prof and prof.top else None,
+            "chunk_top_kernels": prof.top if prof else []}
 
 
 @torch.no_grad()

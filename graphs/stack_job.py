@@ -27,7 +27,7 @@ import time
 import torch
 
 from graphs import TINY_V41, V41_FLASH, V41_FLASH_PLAN, CacheConfig, DSV41Stack, LayerPlan, StepRunner
-from graphs.bench import count_kernels, fill_random, grow_rows, kernel_time, time_replay
+from graphs.bench import fill_random, grow_rows, profile_kernels, time_replay
 from graphs.memory import stack_buffer_bytes
 from graphs.naive import stack_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
@@ -83,23 +83,12 @@ def graph_of(fn, warmup: int = 2) -> "torch.cuda.CUDAGraph":
 
 def kernels_of(graph: "torch.cuda.CUDAGraph", iters: int = 3) -> dict:
     """Kernels per replay of ``graph`` (count, GPU microseconds, the costliest) by the profiler."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            graph.replay()
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events() if e.device_type == DeviceType.CUDA}
-    top: list = []
-    us = kernel_time(graph.replay, iters, top)
-    # the compressor's and indexer's own kernels: a reader's part of the profile has none
     from compile_ops.indexer.triton import KERNEL_NAMES  # Triton's own names, not torch's gathers
 
-    own = sorted(n for n in names if n.startswith(KERNEL_NAMES))
-    return {"kernels": count_kernels(graph.replay, iters), "kernel_us": round(us, 1), "top": top[:5], "indexer_kernels": own}
+    prof = profile_kernels(graph.replay, iters)
+    # the compressor's and indexer's own kernels: a reader's part of the profile has none
+    own = sorted(n for n in prof.names if n.startswith(KERNEL_NAMES))
+    return {"kernels": prof.count, "kernel_us": round(prof.us, 1), "top": prof.top[:5], "indexer_kernels": own}
 
 
 @torch.no_grad()
