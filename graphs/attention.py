@@ -35,6 +35,7 @@ from compile_ops.linear.quant import TILE_N
 from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
+from graphs.fused import StackedRows, project, stack_rows
 from graphs.metadata import Geometry, StepInputs, StepRows, derive, step_inputs
 from graphs.plan import LayerPlan, LayerRole
 from graphs.rope import apply_rope, layer_inv_freq, rope_tables
@@ -174,37 +175,34 @@ class Compressor(nn.Module):
         high = w.to(torch.bfloat16)
         self.split.copy_(torch.cat([high, (w - high.float()).to(torch.bfloat16)]))
 
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(wkv(x), wgate(x))``, each ``[T, width]`` fp32, of ``x [T, dim]`` from ``split``
-        (gate logits of zero without ``wgate``)."""
-        if x.is_cuda and x.dtype == torch.bfloat16:
-            parts = torch.mm(x, self.split.t(), out_dtype=torch.float32)
-        else:  # CPU torch has no bf16 x bf16 -> fp32 product: the same sum in fp32
-            parts = x.float() @ self.split.float().t()
+    def gates(self, parts: Tensor) -> tuple[Tensor, Tensor]:
+        """``(wkv(x), wgate(x))``, each ``[T, width]`` fp32, from ``parts = x @ split^T``
+        (``[T, split rows]`` fp32: the layer computes it in its stacked x projection; gate
+        logits of zero without ``wgate``)."""
         half = parts.shape[1] // 2
         both = parts[:, :half] + parts[:, half:]
         n = self.width
         kv = both[:, :n]
         return kv, (both[:, n:] if self.wgate is not None else torch.zeros_like(kv))
 
-    def forward(self, x: Tensor, rows: StepRows, cos_table: Tensor, sin_table: Tensor):
-        """One step of ``x [T, dim]``. Returns ``(entry [T, head_dim]`` in ``x``'s dtype,
-        ``closing [T]`` bool): ``entry[t]`` is meaningful where ``closing[t]``; the entry is
-        the :meth:`latent` with RoPE at its group's first position."""
-        latent, closing = self.latent(x, rows)
+    def forward(self, parts: Tensor, rows: StepRows, cos_table: Tensor, sin_table: Tensor, dtype: torch.dtype):
+        """One step of ``parts = x @ split^T`` (:meth:`gates`). Returns ``(entry [T,
+        head_dim]`` in ``dtype``, ``closing [T]`` bool): ``entry[t]`` is meaningful where
+        ``closing[t]``; the entry is the :meth:`latent` with RoPE at its group's first position."""
+        latent, closing = self.latent(parts, rows, dtype)
         group_start = rows.pos - rows.pos % self.ratio
         return _rope_last(latent, self.rope_dim, cos_table[group_start], sin_table[group_start]), closing
 
-    def latent(self, x: Tensor, rows: StepRows) -> tuple[Tensor, Tensor]:
-        """``(latent [T, head_dim]`` in ``x``'s dtype, before RoPE, ``closing [T]`` bool) of one
-        step (the compressor state is updated)."""
-        r, d, P, T = self.ratio, self.head_dim, self.ring, x.shape[0]
+    def latent(self, parts: Tensor, rows: StepRows, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(latent [T, head_dim]`` in ``dtype``, before RoPE, ``closing [T]`` bool) of one
+        step of ``parts = x @ split^T`` (:meth:`gates`; the compressor state is updated)."""
+        r, d, P, T = self.ratio, self.head_dim, self.ring, parts.shape[0]
         pos, row, valid, first, last = rows.pos, rows.row, rows.valid, rows.first, rows.last
-        kv, score = self.project(x)
+        kv, score = self.gates(parts)
         if self.ape is not None:
             score = score + self.ape[pos % r]
         stats: Stats = (score, torch.ones_like(score), kv)  # each [T, width]: one token's softmax stats
-        t = torch.arange(T, device=x.device)
+        t = torch.arange(T, device=parts.device)
         group_start = pos - pos % r
         # the step's tokens of one group are contiguous: the scan merges t with t - k, k = 1, 2, 4, ...
         seg_start = t - (pos - torch.maximum(group_start, first))
@@ -233,7 +231,7 @@ class Compressor(nn.Module):
             at = (torch.where(keep, row, self.state.shape[1] - 1), pos % P)
             for buf, value in zip(self.state, stats):
                 buf.index_put_(at, value)
-        return self.norm((pooled[2] / pooled[1]).to(x.dtype)), closing
+        return self.norm((pooled[2] / pooled[1]).to(dtype)), closing
 
 
 def hadamard(n: int, device=None) -> Tensor:
@@ -290,31 +288,35 @@ class Indexer(nn.Module):
             keys = new_index_cache(cache.index_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
         self.register_buffer("index_cache", keys, persistent=False)
 
-    def write_keys(self, x: Tensor, rows: "StepRows", cos_table: Tensor, sin_table: Tensor, inp: StepInputs,
-                   latent: Optional[Tensor]) -> None:
-        """Write this step's closed entries' index keys into ``index_cache`` (kv sources only);
-        ``latent`` is the layer compressor's (V4.1's keys)."""
+    def write_keys(self, parts: Optional[Tensor], rows: "StepRows", cos_table: Tensor, sin_table: Tensor,
+                   inp: StepInputs, latent: Tensor) -> None:
+        """Write this step's closed entries' index keys into ``index_cache`` (kv sources only):
+        V4's from its own compressor's ``parts`` (:meth:`Compressor.gates`), V4.1's from the
+        layer compressor's ``latent``."""
         if self.compressor is not None:
-            key, _ = self.compressor(x, rows, cos_table, sin_table)
-            key = key.to(torch.bfloat16) @ self.rotation
+            key, _ = self.compressor(parts, rows, cos_table, sin_table, torch.bfloat16)
+            key = key @ self.rotation
         else:
             group_start = rows.pos - rows.pos % self.ratio
             key = _rope_last(self.k_norm(self.wk(latent)), self.rope_dim, cos_table[group_start], sin_table[group_start])
         # written where the compressed entry of the same group is (inp.cmp_slots, -1 if none)
         torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key, self.index_format)
 
-    def forward(self, x, qr, rows: "StepRows", cos, sin, inp: StepInputs, index_cache: Tensor,
-                candidates: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
-        """``(ids [T, K], blocks)``: top-k request-local entry ids (``-1`` padded), each token
+    def forward(self, q: Tensor, head_weights: Tensor, rows: "StepRows", cos, sin, inp: StepInputs,
+                index_cache: Tensor, candidates: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """``(ids [T, K], blocks)`` of the index queries ``q = wq_b(qr)`` ``[T, Hi * Di]`` and
+        the head weights' logits ``weights_proj(x)`` ``[T, Hi]`` (both bf16, from the layer's
+        stacked projections): top-k request-local entry ids (``-1`` padded), each token
         over its own ``rows.n_entries`` of ``index_cache`` (the kv source's keys), inside
         ``candidates`` blocks when given; ``blocks [T, n_blocks]`` this layer's candidate
         blocks when it is the candidate source (``None`` otherwise)."""
-        T = x.shape[0]
-        q = _rope_last(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.rope_dim, cos, sin)
+        T = q.shape[0]
+        # (fp32 before the view: a view of a column slice would specialise T == 1)
+        q = _rope_last(q.float().view(T, self.n_heads, self.head_dim), self.rope_dim, cos, sin).to(torch.bfloat16)
         if self.rotation is not None:
             q = q @ self.rotation
         q = q.contiguous()
-        weights = self.weights_proj(x).float() * (self.head_dim * self.n_heads) ** -0.5
+        weights = head_weights.float() * (self.head_dim * self.n_heads) ** -0.5
         table, n = inp.cmp_block_table, rows.n_entries
         dsv41 = torch.ops.dsv41
         if self.dcp_group is not None:  # this rank's keys; every rank gets the same global ids
@@ -329,6 +331,17 @@ class Indexer(nn.Module):
         blocks = dsv41.indexer_candidates(q, weights, index_cache, table, inp.token_to_req, n, self.n_blocks,
                                           self.block, self.index_format) if self.n_blocks else None
         return ids, blocks
+
+
+def _unshare_stacked(layer: "DSV41Attention", state_dict, prefix: str, local_metadata) -> None:
+    """``state_dict()`` holds copies of the stacked weights, not views of one tensor: a
+    saved state dict then holds each weight on its own (safetensors refuses shared memory)."""
+    for stacks in layer.stacks.values():
+        for s in stacks:
+            for name in s.names:
+                for key in (f"{prefix}{name}.weight", f"{prefix}{name}.scale"):
+                    if key in state_dict:
+                        state_dict[key] = state_dict[key].clone()
 
 
 class Shared(NamedTuple):
@@ -458,6 +471,60 @@ class DSV41Attention(nn.Module):
         )
         self.reset_parameters(seed)
         self.requires_grad_(False)  # inference only: caches are written in place every step
+        self.stacks: dict[str, tuple[StackedRows, ...]] = {}
+        self._stack_projections()
+        self.register_load_state_dict_post_hook(lambda module, keys: module._stack_projections(if_split=True))
+        self.register_state_dict_post_hook(_unshare_stacked)
+
+    def _projections(self) -> dict[str, list[tuple[str, nn.Module, Tensor]]]:
+        """The projections of each input: ``x`` (``wq_a``, ``wkv``, the compressors' split
+        weights, ``indexer.weights_proj``) and ``q`` (of ``qr``: ``wq_b``, ``indexer.wq_b``),
+        as ``(name, module, weight)``."""
+        x = [("wq_a", self.wq_a, self.wq_a.weight), ("wkv", self.wkv, self.wkv.weight)]
+        q = [("wq_b", self.wq_b, self.wq_b.weight)]
+        for name, c in (("compressor", self.compressor), ("indexer.compressor", getattr(self.indexer, "compressor", None))):
+            if c is not None:
+                x.append((name, c, c.split))
+        if self.indexer is not None:
+            x.append(("indexer.weights_proj", self.indexer.weights_proj, self.indexer.weights_proj.weight))
+            q.append(("indexer.wq_b", self.indexer.wq_b, self.indexer.wq_b.weight))
+        return {"x": x, "q": q}
+
+    @torch.no_grad()
+    def _stack_projections(self, if_split: bool = False) -> None:
+        """Stack each input's projections into one weight per storage kind (``graphs.fused``:
+        the modules' weights become views of it); ``if_split``: only where a weight is no
+        longer a view (``load_state_dict(assign=True)`` replaced it)."""
+        if if_split and all(getattr(self, s.weight).untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+                            for side, stacks in self.stacks.items() for s in stacks
+                            for name, _, w in self._projections()[side] if name in s.names):
+            return
+        self.stacks = {}
+        for side, members in self._projections().items():
+            fp8 = [m for m in members if isinstance(m[1], Fp8Linear)]
+            bf16 = [m for m in members if not isinstance(m[1], Fp8Linear)]
+            # FP8 weights stack only where every block of rows has its own scale row
+            aligned = all(m.out_features % m.block == 0 for _, m, _ in fp8[:-1])
+            groups = [bf16] + ([fp8] if aligned else [[m] for m in fp8])
+            stacks = []
+            for i, group in enumerate(g for g in groups if g):
+                weight = f"{side}_proj_{i}"
+                # plain attributes, not buffers: they are the parameters' memory, moved by _apply
+                setattr(self, weight, stack_rows([w for _, _, w in group]))
+                scale = None
+                if isinstance(group[0][1], Fp8Linear):
+                    scale = weight + "_scale"
+                    setattr(self, scale, stack_rows([m.scale for _, m, _ in group]))
+                stacks.append(StackedRows(weight, scale, tuple(n for n, _, _ in group),
+                                          tuple(w.shape[0] for _, _, w in group),
+                                          any(isinstance(m, Compressor) for _, m, _ in group)))
+            self.stacks[side] = tuple(stacks)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to() / .cuda() move each weight on its own: stack them again on the new device
+        super()._apply(fn, recurse)
+        self._stack_projections()
+        return self
 
     def _role(self, plan: Optional[LayerPlan], layer_id: int, ratio: int) -> LayerRole:
         """Layer ``layer_id``'s role in ``plan`` (checked against ``ratio``); without a plan
@@ -612,12 +679,15 @@ class DSV41Attention(nn.Module):
         valid, pos = rows.valid, rows.pos
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
 
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(T, self.local_heads, D).float()
+        xs = project(self, self.stacks["x"], x)
+        qr = self.q_norm(xs["wq_a"].to(x.dtype))
+        qs = project(self, self.stacks["q"], qr)
+        # (fp32 before the view: a view of a column slice would specialise T == 1)
+        q = qs["wq_b"].to(x.dtype).float().view(T, self.local_heads, D)
         if not self.cfg.v41:  # V4 normalises each head of q (no weight); V4.1 does not
             q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
         q = _rope_last(q, rd, cos, sin).to(x.dtype)
-        kv = _rope_last(self.kv_norm(self.wkv(x)), rd, cos, sin)
+        kv = _rope_last(self.kv_norm(xs["wkv"].to(x.dtype)), rd, cos, sin)
         torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
         swa_idx, swa_lens = inp.swa_idx, inp.swa_lens
 
@@ -629,18 +699,20 @@ class DSV41Attention(nn.Module):
             shared = self._check_shared(shared)
             index_cache = self.indexer.index_cache if self.indexer is not None else None
             if self.compressor is not None:
-                latent, _ = self.compressor.latent(x, rows)
+                latent, _ = self.compressor.latent(xs["compressor"], rows, x.dtype)
                 group_start = pos - pos % ratio
                 entry = _rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
                 torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.kv_format, self.kv_scale)
                 if index_cache is not None:
-                    self.indexer.write_keys(x, rows, self.rope_cos, self.rope_sin, inp, latent)
+                    self.indexer.write_keys(xs.get("indexer.compressor"), rows, self.rope_cos, self.rope_sin, inp,
+                                            latent)
             else:
                 cmp_cache = shared.cmp_cache
             if self.indexer is not None:
                 if index_cache is None:
                     index_cache = shared.index_cache
-                topk, blocks = self.indexer(x, qr, rows, cos, sin, inp, index_cache, shared.candidates)
+                topk, blocks = self.indexer(qs["indexer.wq_b"].to(x.dtype), xs["indexer.weights_proj"].to(x.dtype),
+                                            rows, cos, sin, inp, index_cache, shared.candidates)
                 if blocks is not None:
                     self.candidate_ids[:T].copy_(blocks)
             elif self.role.index_source is None:  # dense: every closed entry
