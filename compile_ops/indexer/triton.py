@@ -42,13 +42,15 @@ from compile_ops.indexer.inputs import IndexerArgs, block_scores, candidate_mask
 from compile_ops.mla.plan import num_sms
 
 BN = 64  # entries per scores block
-TOPK_BLOCK = 1024  # scores per step of the top-k passes: a short row pays one small step
+TOPK_BLOCK = 2048  # scores per step of the top-k passes
 TOPK_DIGIT = 8  # bits per radix pass (32 / TOPK_DIGIT passes)
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
 SCORE_PROGRAMS_PER_SM = 16  # the scores kernel's grid: enough loads in flight to stream keys
 TOPK_PROGRAMS_PER_SM = 4
 MAX_SEGMENTS = 64  # segments a row's top-k passes split it into
-ROW_TOPK_BLOCKS = 16  # rows of up to this many top-k blocks take one program each: passes over L2 beat launches
+# rows of up to this many top-k blocks take one program each; a longer row is split into
+# segments over many programs: one program's serial steps cost more than the passes' launches
+ROW_TOPK_BLOCKS = 1
 
 
 @triton.jit
