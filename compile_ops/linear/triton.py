@@ -100,14 +100,20 @@ def _fp8_gemm_kernel(
                       other=0.0)
         live = i * BK < K  # the interpreter's fixed trip count runs past the last block
         if SB > 0:  # weight-only, power-of-two scales of SB x SB blocks inside the step: the
-            # weight tile is dequantized in registers first (exact in bf16), then one wide dot
-            e = tl.load(b_s + (o_n // SB)[:, None] * stride_bs + (k // SB)[None, :],
-                        mask=m_n[:, None] & m_k[None, :], other=0).to(tl.int32)
-            w = t_b.to(tl.float32) * (e << 23).to(tl.float32, bitcast=True)
+            # weight tile is dequantized in registers first (exact in bf16), then one wide dot;
+            # the tile's [BN / SB, BK / SB] scales are loaded once and broadcast to its elements
+            NB: tl.constexpr = BN // SB
+            KB: tl.constexpr = BK // SB
+            o_nb = i_n * NB + tl.arange(0, NB)
+            o_kb = i * KB + tl.arange(0, KB)
+            e = tl.load(b_s + o_nb[:, None] * stride_bs + o_kb[None, :],
+                        mask=(o_nb * SB < N)[:, None] & (o_kb * SB < K)[None, :], other=0).to(tl.int32)
+            scale = tl.reshape(tl.broadcast_to(tl.reshape((e << 23).to(tl.float32, bitcast=True), [NB, 1, KB, 1]),
+                                               [NB, SB, KB, SB]), [BN, BK])
             if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
-                acc += tl.dot(t_a.to(tl.float32), tl.trans(w))
+                acc += tl.dot(t_a.to(tl.float32), tl.trans(t_b.to(tl.float32) * scale))
             else:
-                acc += tl.dot(t_a, tl.trans(w.to(tl.bfloat16)))
+                acc += tl.dot(t_a, tl.trans(t_b.to(tl.bfloat16) * scale.to(tl.bfloat16)))
         else:
             if BF16_A:  # weight-only: e4m3 to bf16 is exact, the block scale applies after the dot
                 if UPCAST:
@@ -174,7 +180,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         weight_scale = weight_scale.view(torch.uint8)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     # a weight-only call of 32-blocks steps through K 128 at a time (4 scale blocks per dot)
-    wide = weight_only and layout.power_of_two
+    wide = weight_only and layout.power_of_two and WIDE_STEP > block
     step = WIDE_STEP if wide else block
     BM, k_blocks = tile_rows(M), triton.cdiv(K, step)
     splits = k_splits(M, N, K, step)
