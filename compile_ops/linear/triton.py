@@ -180,7 +180,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         weight_scale = weight_scale.view(torch.uint8)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     # a weight-only call of 32-blocks steps through K 128 at a time (4 scale blocks per dot)
-    wide = weight_only and layout.power_of_two and WIDE_STEP > block
+    wide = weight_only and layout.power_of_two
     step = WIDE_STEP if wide else block
     BM, k_blocks = tile_rows(M), triton.cdiv(K, step)
     splits = k_splits(M, N, K, step)
