@@ -168,7 +168,7 @@ def run_layer(args, ratio, deadline) -> dict:
             "buckets": buckets}
     if cuda:
         torch.cuda.synchronize()
-        formula = buffer_bytes(cfg, cache, ratio, device)
+        formula = buffer_bytes(cfg, cache, ratio)
         info["memory"] = {"measured_bytes": torch.cuda.memory_allocated(device) - before,
                           "formula_bytes": formula["total"] + weight_bytes(layer), "weights_bytes": weight_bytes(layer),
                           "buffers": formula, "max_seq_len": cache.max_seq_len, "max_requests": cache.max_requests}

@@ -32,7 +32,6 @@ from compile_ops.indexer.cache import INDEX_DIM, new_index_cache
 from compile_ops.dcp import all_gather_heads
 from compile_ops.linear import quantize_blocks
 from compile_ops.linear.quant import TILE_N
-from compile_ops.mla import sparse_mla_workspace
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
 from graphs.fused import StackedRows, project, stack_rows
@@ -229,8 +228,10 @@ class Compressor(nn.Module):
         if P:
             keep = valid & (pos > last - P)  # the last P positions of each request
             at = (torch.where(keep, row, self.state.shape[1] - 1), pos % P)
-            for buf, value in zip(self.state, stats):
-                buf.index_put_(at, value)
+            # one scatter into the whole buffer: Inductor writes it in place (one scatter per
+            # view of a stat makes it copy the whole state back every step)
+            kind = torch.arange(3, device=parts.device).unsqueeze(1)
+            self.state.index_put_((kind, at[0].unsqueeze(0), at[1].unsqueeze(0)), torch.stack(stats))
         return self.norm((pooled[2] / pooled[1]).to(dtype)), closing
 
 
@@ -458,9 +459,6 @@ class DSV41Attention(nn.Module):
                      else cache.max_entries(ratio)) if ratio else 0
         # the ids (and candidate blocks) a step picked, kept for the layers that read them
         owns_ids = ratio and (role.indexes or role.index_source is None)
-        # sparse_mla's scratch, sized for this device (moved with .to(), a smaller one only
-        # limits split-K): no call allocates it, so capture needs no warm-up for it
-        self.register_buffer("mla_workspace", sparse_mla_workspace(device or "cpu", cache.kv_format), persistent=False)
         self.register_buffer(
             "topk_ids", torch.full((cache.max_tokens, self.topk), -1, dtype=torch.int32, device=device)
             if owns_ids else None, persistent=False
@@ -744,7 +742,7 @@ class DSV41Attention(nn.Module):
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         torch.ops.dsv41.sparse_mla_out(
             q, self.swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink,
-            self.softmax_scale, self.kv_format, self.kv_scale, o, lse, self.mla_workspace,
+            self.softmax_scale, self.kv_format, self.kv_scale, o, lse,
         )
         if self.dcp_group is not None:
             o, _ = torch.ops.dsv41.dcp_combine(o, lse, self.dcp_group, "ag_rs")  # this rank's heads

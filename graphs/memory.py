@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from compile_ops.formats import get_format
 from compile_ops.indexer.cache import INDEX_DIM, get_index_format
-from compile_ops.mla.plan import workspace_bytes
 from typing import Optional, Sequence
 
 from graphs.config import AttentionConfig, CacheConfig
@@ -33,10 +32,9 @@ def _compressor_split(cfg: AttentionConfig, ratio: int, head_dim: int) -> int:
     return 2 * projections * (2 if cfg.overlaps(ratio) else 1) * head_dim * cfg.dim * 2
 
 
-def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="cpu",
+def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int,
                  role: Optional[LayerRole] = None, candidate_blocks: int = 0) -> dict[str, int]:
-    """Bytes of each buffer group of the layer (``device`` sizes the split-K workspace);
-    ``role``: its place in a :class:`graphs.LayerPlan` (default: it owns its cache and
+    """Bytes of each buffer group of the layer; ``role``: its place in a :class:`graphs.LayerPlan` (default: it owns its cache and
     top-k), where only a kv source holds the compressed and index-key caches and the
     compressor, only an index source (or a dense layer) the top-k buffer, and the candidate
     source ``candidate_blocks`` more int32 per step token.
@@ -48,8 +46,9 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="c
     * ``compressor_state``: the compressors' ``(R + 1)``-row fp32 state rings (main and indexer)
     * ``compressor_split``: the compressors' projections as bf16 high and low parts
     * ``step_scratch``: ``topk_ids [max_tokens, K]`` int32, the RoPE tables
-      ``2 * max_seq_len * rope_dim / 2`` fp32, the Hadamard matrix, ``sparse_mla``'s workspace,
-      ``candidate_ids [max_tokens, candidate_blocks]`` int32
+      ``2 * max_seq_len * rope_dim / 2`` fp32, the Hadamard matrix,
+      ``candidate_ids [max_tokens, candidate_blocks]`` int32 (``sparse_mla``'s split-K partials
+      are not a buffer: a step allocates them, in its CUDA graph's pool once captured)
     """
     compresses = bool(ratio) and (role is None or role.compresses)
     owns_ids = bool(ratio) and (role is None or role.indexes or role.index_source is None)
@@ -71,15 +70,13 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int, device="c
         topk = min(cfg.index_topk, cache.max_entries(ratio)) if cfg.has_indexer(ratio) else cache.max_entries(ratio)
     rotation = INDEX_DIM * INDEX_DIM * 2 if compresses and cfg.has_indexer(ratio) and not cfg.v41 else 0
     rope = 2 * cache.max_seq_len * (cfg.rope_head_dim // 2) * FP32
-    out["step_scratch"] = (cache.max_tokens * (topk + candidate_blocks) * 4 + rope + rotation
-                           + workspace_bytes(device))
+    out["step_scratch"] = cache.max_tokens * (topk + candidate_blocks) * 4 + rope + rotation
     out["total"] = sum(out.values())
     return out
 
 
 def stack_buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, plan: LayerPlan,
-                       layer_ids: Optional[Sequence[int]] = None, device="cpu",
-                       record_inputs: bool = False) -> dict[str, int]:
+                       layer_ids: Optional[Sequence[int]] = None, record_inputs: bool = False) -> dict[str, int]:
     """Bytes of each buffer group of ``DSV41Stack(cfg, cache, plan, layer_ids)``, summed over
     its layers (:func:`buffer_bytes` of each by its role: a shared cache counted once, at its
     source), and ``per_layer``: each layer's total; ``record_inputs``: plus the recorded
@@ -90,7 +87,7 @@ def stack_buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, plan: LayerPlan
     for i in ids:
         role = plan.layers[i]
         blocks = plan.candidate_topk_blocks if plan.candidate_source == i else 0
-        layer = buffer_bytes(cfg, cache, role.ratio, device, role, blocks)
+        layer = buffer_bytes(cfg, cache, role.ratio, role, blocks)
         for k, v in layer.items():
             out[k] = out.get(k, 0) + v
         per_layer[i] = layer["total"]

@@ -142,12 +142,11 @@ def run_stack(args) -> dict:
 
     stack, buckets, kinds = build(device, args.kv_format, args.stack == "all")
     say(f"built {stack.extra_repr()}")
-    memory = stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan, stack.layer_ids, device, record_inputs=True)
+    memory = stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan, stack.layer_ids, record_inputs=True)
     held = sum(b.numel() * b.element_size() for b in stack.buffers())
     info = {"layers": stack.layer_ids, "buckets": buckets, "buffers_formula": memory["total"], "buffers_held": held,
             "buffers_per_layer": memory["per_layer"],
-            "model_40_layers_buffers": stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan, None,
-                                                          device)["total"] if cuda else None}
+            "model_40_layers_buffers": stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan)["total"] if cuda else None}
     torch._dynamo.reset()
     counters.clear()
     runner = StepRunner(stack, buckets)

@@ -197,20 +197,21 @@ def gemm(scale, a="*fp8e4nv"):
             "K": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_ask": "i32", "stride_bn": "i32",
             "stride_bs": "i32", "stride_cm": "i32", "GROUP_N": "i32", "BLOCKS_PER_SPLIT": "i32", "BM": "constexpr",
             "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr", "E8M0": "constexpr",
-            "BF16_A": "constexpr", "UPCAST": "constexpr", "SB": "constexpr"}
+            "BF16_A": "constexpr", "UPCAST": "constexpr", "SB": "constexpr", "SWAP": "constexpr"}
 
 
 for bm in (16, 64):
     for bk, scale in ((128, "*fp32"), (32, "*u8")):
         ptx = build(kernels._fp8_gemm_kernel, gemm(scale),
                     {"BM": bm, "BN": 128, "BK": bk, "ITERS": 0, "PARTIAL": bm == 16, "E8M0": bk == 32,
-                     "BF16_A": False, "UPCAST": False, "SB": 0})
+                     "BF16_A": False, "UPCAST": False, "SB": 0, "SWAP": False})
         print(f"{bm}x{bk}", "wgmma" in ptx or "mma.sync" in ptx)
-for sb, scale in ((0, "*fp32"), (32, "*u8")):  # weight-only decode calls: bf16 tokens, 128-wide K steps
-    ptx = build(kernels._fp8_gemm_kernel, gemm(scale, "*bf16"),
-                {"BM": 16, "BN": 128, "BK": 128, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "BF16_A": True,
-                 "UPCAST": False, "SB": sb})
-    print(f"bf16x{sb or 128}", "wgmma" in ptx or "mma.sync" in ptx)
+# weight-only decode calls, bf16 tokens: 128-blocks, then 32-blocks' two tiles (weight_only_tile)
+for sb, bm, bn, bk, swap in ((0, 16, 128, 128, False), (32, 16, 64, 128, True), (32, 64, 64, 64, False)):
+    ptx = build(kernels._fp8_gemm_kernel, gemm("*u8" if sb else "*fp32", "*bf16"),
+                {"BM": bm, "BN": bn, "BK": bk, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "BF16_A": True,
+                 "UPCAST": False, "SB": sb, "SWAP": swap})
+    print(f"bf16x{sb or 128}x{bm}", "wgmma" in ptx or "mma.sync" in ptx)
 quant = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
          "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "POW2": "constexpr"}
 for bk in (128, 32):
@@ -221,7 +222,7 @@ for bk in (128, 32):
 
 def test_kernel_builds_for_sm90():
     """The launches the GPU runs (GEMM tiles of 16 and 64 rows, both layouts, weight-only
-    16-row tiles, the quantizer), compiled for
+    tiles, the quantizer), compiled for
     sm_90 without a GPU: in a
     process of its own, since the interpreter (TRITON_INTERPRET=1 here) patches Triton's
     language module for the whole process."""
@@ -234,7 +235,7 @@ def test_kernel_builds_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     # tensor-core MMAs, and correctly rounded divisions in the quantizer
     assert run.stdout.split() == ["16x128", "True", "16x32", "True", "64x128", "True", "64x32", "True",
-                                  "bf16x128", "True", "bf16x32", "True", "quant128", "True", "quant32", "True"], run.stdout
+                                  "bf16x128x16", "True", "bf16x32x16", "True", "bf16x32x64", "True", "quant128", "True", "quant32", "True"], run.stdout
 
 
 @pytest.mark.parametrize("block", BLOCKS)

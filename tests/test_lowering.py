@@ -11,6 +11,7 @@ inlined, and ``torch.export`` + AOTInductor of the step against eager.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -71,7 +72,8 @@ def test_inline_decision(monkeypatch):
 
 
 def test_compiled_decode_step_calls_ops_in_place():
-    """The ops are called on the caches and the step's own buffers: no clone or copy."""
+    """The ops are called on the caches and the step's own buffers, and the compressor's
+    state is scattered into in place: no clone, no copy of a buffer back into itself."""
     torch._dynamo.reset()
     counters.clear()
     layer = tiny_layer()
@@ -86,8 +88,7 @@ def test_compiled_decode_step_calls_ops_in_place():
     assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
     # the SWA write, the compressed write, top-k -> slots, attention, in order (the window,
     # a pure op, may be scheduled anywhere before attention); write_kv gets the cache
-    # buffer itself (a graph input), not a copy of it, and sparse_mla_out the layer's own
-    # workspace
+    # buffer itself (a graph input), not a copy of it
     FileCheck().check("torch.ops.dsv41.swa_indices.default(").check("torch.ops.dsv41.sparse_mla_out").run(code)
     (FileCheck()
      .check_regex(r"torch\.ops\.dsv41\.write_kv\.default\(arg\d+_1,")
@@ -96,6 +97,8 @@ def test_compiled_decode_step_calls_ops_in_place():
      .check_regex(r"torch\.ops\.dsv41\.sparse_mla_out\.default\(buf\d+, arg\d+_1,")
      .run(code))
     FileCheck().check_not("clone").check_not(".copy_(").check_not("aten.contiguous").run(code)
+    # a kernel of aten.copy_ (not _to_copy) would write a whole mutated buffer every step
+    assert not re.findall(r"\w*(?<!_to)_copy__\w*", code)
 
 
 def _attention_inputs():

@@ -62,7 +62,7 @@ holds ``G`` stacked ``[N / G, K]`` weights, and output columns ``g * N / G ..`` 
 whole 128-blocks).
 
 ``x [M, K]`` bf16 (or fp32) is quantized per token per block to e4m3 when ``M >
-WEIGHT_ONLY_TOKENS`` (16); a decode-sized call (``M <= 16``) is weight-only: ``x`` in bf16
+WEIGHT_ONLY_TOKENS`` (64); a decode-sized call (``M <= 64``) is weight-only: ``x`` in bf16
 times the weight dequantized in registers (one launch fewer, no activation rounding). ``weight [N, K]``
 float8_e4m3fn with ``weight_scale`` in one of DeepSeek's two layouts, told apart by its
 dtype (``compile_ops.linear.LAYOUTS``): fp32 ``[ceil(N/128), ceil(K/128)]`` (V4's 128 x
@@ -73,7 +73,7 @@ accumulate in fp32. Shapes follow the inputs only; no host sync. Backends, in ``
 order: ``scaled_mm`` (cuBLAS's blockwise FP8 GEMM through
 ``torch.nn.functional.scaled_mm``, on Hopper with a torch that has it, for 128-block
 calls of one group, at least 128 tokens and 2**19 outputs), ``triton`` (a block-scaled
-FP8 GEMM that splits K over the SMs for decode batches, weight-only at ``M <= 16``; any
+FP8 GEMM that splits K over the SMs for decode batches, weight-only at ``M <= 64``; any
 CUDA GPU, both layouts), and
 the dequantizing plain-torch ``reference``.
 

@@ -33,7 +33,14 @@ from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, WEIGHT_ONLY_TOKENS
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
 TARGET_PROGRAMS = 264
 QUANT_ROWS = 16  # token rows per program of the quantizer
-WIDE_STEP = 128  # K per step of a weight-only GEMM of 32-blocks: one dot over 4 scale blocks
+
+
+def weight_only_tile(M: int) -> tuple[int, int, bool, int]:
+    """``(BN, BK, swap, programs)`` of a weight-only call of ``M`` tokens with 32-blocks, the
+    best of an H200 sweep (``docs/performance-decode.md``): narrow tiles and twice
+    :data:`TARGET_PROGRAMS` keep more weight loads in flight; up to 16 tokens the tile is
+    accumulated transposed."""
+    return (64, 128, True, 2 * TARGET_PROGRAMS) if M <= 16 else (64, 64, False, 2 * TARGET_PROGRAMS)
 
 
 @triton.jit
@@ -76,6 +83,7 @@ def _fp8_gemm_kernel(
     BLOCKS_PER_SPLIT,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr, PARTIAL: tl.constexpr,
     E8M0: tl.constexpr, BF16_A: tl.constexpr = False, UPCAST: tl.constexpr = False, SB: tl.constexpr = 0,
+    SWAP: tl.constexpr = False,
 ):
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -87,7 +95,9 @@ def _fp8_gemm_kernel(
     i_g = (i_n * BN) // GROUP_N
     a += i_g.to(tl.int64) * K
     a_s += i_g.to(tl.int64) * tl.cdiv(K, BK) * stride_ask
-    acc = tl.zeros([BM, BN], tl.float32)
+    # SWAP: the tile is accumulated transposed, weight rows as the MMA's M (a few tokens
+    # then fill its N instead of padding its 64-row M)
+    acc = tl.zeros([BN, BM] if SWAP else [BM, BN], tl.float32)
     first = i_s * BLOCKS_PER_SPLIT
     steps = ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)
     for j in range(0, steps):
@@ -111,9 +121,13 @@ def _fp8_gemm_kernel(
             scale = tl.reshape(tl.broadcast_to(tl.reshape((e << 23).to(tl.float32, bitcast=True), [NB, 1, KB, 1]),
                                                [NB, SB, KB, SB]), [BN, BK])
             if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
-                acc += tl.dot(t_a.to(tl.float32), tl.trans(t_b.to(tl.float32) * scale))
+                t_a, w = t_a.to(tl.float32), t_b.to(tl.float32) * scale
             else:
-                acc += tl.dot(t_a, tl.trans(t_b.to(tl.bfloat16) * scale.to(tl.bfloat16)))
+                w = t_b.to(tl.bfloat16) * scale.to(tl.bfloat16)
+            if SWAP:
+                acc += tl.dot(w, tl.trans(t_a))
+            else:
+                acc += tl.dot(t_a, tl.trans(w))
         else:
             if BF16_A:  # weight-only: e4m3 to bf16 is exact, the block scale applies after the dot
                 if UPCAST:
@@ -130,6 +144,8 @@ def _fp8_gemm_kernel(
             else:
                 s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0.0)
             acc += part * s_a[:, None] * s_b[None, :]
+    if SWAP:
+        acc = tl.trans(acc)
     out = c + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :]
     if PARTIAL:
         tl.store(out + i_s.to(tl.int64) * M * N, acc, mask=m_m[:, None] & m_n[None, :])
@@ -152,11 +168,11 @@ def tile_rows(M: int) -> int:
     return 16 if M <= 16 else 64
 
 
-def k_splits(M: int, N: int, K: int, block: int = BLOCK) -> int:
-    """How many programs share a tile's ``block``-wide K blocks: enough for :data:`TARGET_PROGRAMS`."""
-    tiles = triton.cdiv(M, tile_rows(M)) * triton.cdiv(N, TILE_N)
+def k_splits(M: int, N: int, K: int, block: int = BLOCK, tile_n: int = TILE_N, programs: int = TARGET_PROGRAMS) -> int:
+    """How many programs share a tile's ``block``-wide K blocks: enough for ``programs``."""
+    tiles = triton.cdiv(M, tile_rows(M)) * triton.cdiv(N, tile_n)
     k_blocks = triton.cdiv(K, block)
-    per_split = triton.cdiv(k_blocks, max(1, min(k_blocks, TARGET_PROGRAMS // tiles)))
+    per_split = triton.cdiv(k_blocks, max(1, min(k_blocks, programs // tiles)))
     return triton.cdiv(k_blocks, per_split)
 
 
@@ -179,19 +195,20 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     if layout.power_of_two:
         weight_scale = weight_scale.view(torch.uint8)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-    # a weight-only call of 32-blocks steps through K 128 at a time (4 scale blocks per dot)
+    # a weight-only call of 32-blocks steps through K several scale blocks per dot
     wide = weight_only and layout.power_of_two
-    step = WIDE_STEP if wide else block
+    BN, step, swap, programs = weight_only_tile(M) if wide else (TILE_N, block, False, TARGET_PROGRAMS)
     BM, k_blocks = tile_rows(M), triton.cdiv(K, step)
-    splits = k_splits(M, N, K, step)
+    splits = k_splits(M, N, K, step, BN, programs)
     per_split = triton.cdiv(k_blocks, splits)
     partial = splits > 1
     target = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if partial else out
-    launchable(_fp8_gemm_kernel, x)[(triton.cdiv(M, BM), triton.cdiv(N, TILE_N), splits)](
+    launchable(_fp8_gemm_kernel, x)[(triton.cdiv(M, BM), triton.cdiv(N, BN), splits)](
         xq, x_scale, weight, weight_scale, target, M, N, K, xq.stride(0), x_scale.stride(0), x_scale.stride(1),
         weight.stride(0), weight_scale.stride(0), N, N // groups, per_split,
-        BM=BM, BN=TILE_N, BK=step, ITERS=per_split if INTERPRET else 0, PARTIAL=partial, E8M0=layout.power_of_two,
-        BF16_A=weight_only, UPCAST=INTERPRET, SB=block if wide else 0, num_warps=8 if BM == 16 else 4,
+        BM=BM, BN=BN, BK=step, ITERS=per_split if INTERPRET else 0, PARTIAL=partial, E8M0=layout.power_of_two,
+        BF16_A=weight_only, UPCAST=INTERPRET, SB=block if wide else 0, SWAP=swap,
+        num_warps=4 if wide or BM > 16 else 8,
     )
     if partial:
         launchable(_sum_splits_kernel, x)[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLITS=splits,
