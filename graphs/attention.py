@@ -37,7 +37,7 @@ from graphs.fp8 import Fp8Linear
 from graphs.fused import StackedRows, project, stack_rows
 from graphs.metadata import Geometry, StepInputs, StepRows, derive, step_inputs
 from graphs.plan import LayerPlan, LayerRole
-from graphs.rope import apply_rope, layer_inv_freq, rope_tables
+from graphs.rope import apply_rope_last, layer_inv_freq, rope_heads, rope_tables
 
 
 def _dcp_rank(cfg: AttentionConfig, cache: CacheConfig, ratio: int, dcp_group: Optional[str]):
@@ -92,12 +92,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
-
-
-def _rope_last(x: Tensor, rope_dim: int, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
-    """``x`` with :func:`apply_rope` on its last ``rope_dim`` dims."""
-    nope = x.shape[-1] - rope_dim
-    return torch.cat([x[..., :nope], apply_rope(x[..., nope:], cos, sin, inverse)], dim=-1)
 
 
 Stats = tuple[Tensor, Tensor, Tensor]
@@ -190,7 +184,7 @@ class Compressor(nn.Module):
         ``closing[t]``; the entry is the :meth:`latent` with RoPE at its group's first position."""
         latent, closing = self.latent(parts, rows, dtype)
         group_start = rows.pos - rows.pos % self.ratio
-        return _rope_last(latent, self.rope_dim, cos_table[group_start], sin_table[group_start]), closing
+        return apply_rope_last(latent, self.rope_dim, cos_table[group_start], sin_table[group_start]), closing
 
     def latent(self, parts: Tensor, rows: StepRows, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(latent [T, head_dim]`` in ``dtype``, before RoPE, ``closing [T]`` bool) of one
@@ -299,7 +293,8 @@ class Indexer(nn.Module):
             key = key @ self.rotation
         else:
             group_start = rows.pos - rows.pos % self.ratio
-            key = _rope_last(self.k_norm(self.wk(latent)), self.rope_dim, cos_table[group_start], sin_table[group_start])
+            key = apply_rope_last(self.k_norm(self.wk(latent)), self.rope_dim, cos_table[group_start],
+                                  sin_table[group_start])
         # written where the compressed entry of the same group is (inp.cmp_slots, -1 if none)
         torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key, self.index_format)
 
@@ -313,7 +308,7 @@ class Indexer(nn.Module):
         blocks when it is the candidate source (``None`` otherwise)."""
         T = q.shape[0]
         # (fp32 before the view: a view of a column slice would specialise T == 1)
-        q = _rope_last(q.float().view(T, self.n_heads, self.head_dim), self.rope_dim, cos, sin).to(torch.bfloat16)
+        q = apply_rope_last(q.float().view(T, self.n_heads, self.head_dim), self.rope_dim, cos, sin).to(torch.bfloat16)
         if self.rotation is not None:
             q = q @ self.rotation
         q = q.contiguous()
@@ -680,12 +675,14 @@ class DSV41Attention(nn.Module):
         xs = project(self, self.stacks["x"], x)
         qr = self.q_norm(xs["wq_a"].to(x.dtype))
         qs = project(self, self.stacks["q"], qr)
-        # (fp32 before the view: a view of a column slice would specialise T == 1)
-        q = qs["wq_b"].to(x.dtype).float().view(T, self.local_heads, D)
-        if not self.cfg.v41:  # V4 normalises each head of q (no weight); V4.1 does not
+        if self.cfg.v41:  # V4.1 does not normalise q's heads: one op rounds, turns and lays them out
+            q = rope_heads(qs["wq_b"], cos, sin, D)
+        else:  # V4 normalises each head of q (no weight)
+            # (fp32 before the view: a view of a column slice would specialise T == 1)
+            q = qs["wq_b"].to(x.dtype).float().view(T, self.local_heads, D)
             q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
-        q = _rope_last(q, rd, cos, sin).to(x.dtype)
-        kv = _rope_last(self.kv_norm(xs["wkv"].to(x.dtype)), rd, cos, sin)
+            q = apply_rope_last(q, rd, cos, sin).to(x.dtype)
+        kv = apply_rope_last(self.kv_norm(xs["wkv"].to(x.dtype)), rd, cos, sin)
         torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
         swa_idx, swa_lens = inp.swa_idx, inp.swa_lens
 
@@ -699,7 +696,7 @@ class DSV41Attention(nn.Module):
             if self.compressor is not None:
                 latent, _ = self.compressor.latent(xs["compressor"], rows, x.dtype)
                 group_start = pos - pos % ratio
-                entry = _rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
+                entry = apply_rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
                 torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.kv_format, self.kv_scale)
                 if index_cache is not None:
                     self.indexer.write_keys(xs.get("indexer.compressor"), rows, self.rope_cos, self.rope_sin, inp,
@@ -747,7 +744,7 @@ class DSV41Attention(nn.Module):
         if self.dcp_group is not None:
             o, _ = torch.ops.dsv41.dcp_combine(o, lse, self.dcp_group, "ag_rs")  # this rank's heads
         groups, lora = self.local_groups, self.cfg.o_lora_rank
-        o = _rope_last(o, rd, cos, sin, inverse=True)
+        o = rope_heads(o.flatten(1), cos, sin, D, inverse=True)
         if isinstance(self.wo_a, Fp8Linear):  # the grouped FP8 GEMM: group g's heads times its rows of wo_a
             flat = torch.ops.dsv41.fp8_linear(o.view(T, -1), self.wo_a.weight, self.wo_a.scale, groups)
         else:

@@ -146,7 +146,8 @@ def run_stack(args) -> dict:
     held = sum(b.numel() * b.element_size() for b in stack.buffers())
     info = {"layers": stack.layer_ids, "buckets": buckets, "buffers_formula": memory["total"], "buffers_held": held,
             "buffers_per_layer": memory["per_layer"],
-            "model_40_layers_buffers": stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan)["total"] if cuda else None}
+            "model_40_layers_buffers": (stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan)["total"]
+                                        if cuda else None)}
     torch._dynamo.reset()
     counters.clear()
     runner = StepRunner(stack, buckets)

@@ -1,0 +1,78 @@
+"""``graphs::rope_heads``: the heads' rotation as one op, its Triton kernel against the
+plain-torch rotation it replaces (``apply_rope_last``), and its fake."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphs.rope import apply_rope, apply_rope_last, rope_heads, rope_heads_triton, rope_tables, yarn_inv_freq
+
+
+def tables(T: int, pairs: int, seed: int = 0):
+    cos, sin = rope_tables(yarn_inv_freq(2 * pairs, 0, 10000.0, 1.0, 0, 0), 4096)
+    pos = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(seed))
+    return cos[pos], sin[pos]
+
+
+def plain(x, cos, sin, head_dim, inverse):
+    heads = x.bfloat16().float().view(x.shape[0], -1, head_dim)
+    return apply_rope_last(heads, 2 * cos.shape[1], cos, sin, inverse).bfloat16()
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_triton_kernel_equals_the_plain_rotation(device, dtype, inverse):
+    """fp32 rows of a wider buffer (a column slice of a stacked projection) and bf16 rows,
+    6 heads (not a multiple of the kernel's 4 per program), 16 of 64 dims turned."""
+    T, H, D = 5, 6, 64
+    cos, sin = (t.to(device) for t in tables(T, 8))
+    wide = torch.randn(T, H * D + 40, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    x = wide[:, 8:8 + H * D]
+    want = plain(x, cos, sin, D, inverse)
+    got = rope_heads_triton(x, cos, sin, D, inverse)
+    assert got.shape == (T, H, D) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    torch.testing.assert_close(got[..., :48], x.bfloat16().view(T, H, D)[..., :48], rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)  # one bf16 step
+    if device == "cpu":  # the op's CPU path is the plain math itself
+        torch.testing.assert_close(rope_heads(x, cos, sin, D, inverse), want, rtol=0, atol=0)
+
+
+def test_inverse_undoes_the_rotation():
+    T, H, D = 3, 4, 128
+    cos, sin = tables(T, 32, seed=2)
+    x = torch.randn(T, H * D, generator=torch.Generator().manual_seed(3)).bfloat16()
+    back = rope_heads_triton(rope_heads_triton(x, cos, sin, D).flatten(1), cos, sin, D, inverse=True)
+    torch.testing.assert_close(back.float(), x.float().view(T, H, D), rtol=2**-6, atol=2**-6)
+    pairs = apply_rope(x.float().view(T, H, D)[..., 64:], cos, sin)  # the rotation itself: pair i by angle i
+    torch.testing.assert_close(rope_heads_triton(x, cos, sin, D)[..., 64:].float(), pairs, rtol=2**-7, atol=1e-6)
+
+
+def test_no_tokens():
+    cos, sin = tables(0, 8)
+    assert rope_heads_triton(torch.empty(0, 128), cos, sin, 64).shape == (0, 2, 64)
+
+
+def test_opcheck():
+    cos, sin = tables(3, 8)
+    x = torch.randn(3, 128)
+    torch.library.opcheck(torch.ops.graphs.rope_heads.default, (x, cos, sin, 64, True))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(x=torch.randn(3, 2, 64)), "x must be"),
+    (dict(x=torch.randn(3, 128).half()), "x must be"),
+    (dict(x=torch.randn(128, 3).t()), "unit column stride"),
+    (dict(head_dim=48), "power-of-two head_dim"),
+    (dict(head_dim=100), "whole heads"),
+    (dict(cos=torch.zeros(2, 8)), "cos and sin"),
+    (dict(cos=torch.zeros(3, 40), sin=torch.zeros(3, 40)), "2P <= head_dim"),
+    (dict(sin=torch.zeros(3, 8, dtype=torch.float64)), "fp32"),
+])
+def test_bad_input_is_refused(bad, match):
+    cos, sin = tables(3, 8)
+    args = dict(x=torch.randn(3, 128), cos=cos, sin=sin, head_dim=64)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        rope_heads(**args)
