@@ -84,7 +84,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=float("inf"), help="GPU: seconds; skip timings past it")
     p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                    help="projection weights: bf16, or DeepSeek's block-scaled fp8 (the preset's weight_block), checked against the bf16 "
-                        "layer with the dequantized weights (the tiny config then has o_lora_rank 128) (default: bf16)")
+                        "layer with the dequantized weights (the tiny config then has o_lora_rank 128); with --stack, against the "
+                        "layer-by-layer oracle with the dequantized weights, in steps of at most 64 tokens (default: bf16)")
     p.add_argument("--stack", nargs="?", const="slice", choices=("slice", "all"),
                    help="serve a DeepSeek-V4.1 stack instead (graphs.stack_job): one layer of every kind, or "
                         "'all' of V4.1-Flash's 40 layers (GPU)")

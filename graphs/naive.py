@@ -17,11 +17,20 @@ import torch
 from torch import Tensor
 
 from compile_ops.formats import decode_rows, encode_rows
+from compile_ops.linear import dequantize_blocks
 from graphs.attention import DSV41Attention
+from graphs.fp8 import Fp8Linear
 
 
-def _linear(x: Tensor, layer: torch.nn.Linear) -> Tensor:
-    return x.float() @ layer.weight.float().t()
+def _weight(layer: torch.nn.Module) -> Tensor:
+    """A projection's weight in fp32 (an FP8 one dequantized by its block scales)."""
+    if isinstance(layer, Fp8Linear):
+        return dequantize_blocks(layer.weight, layer.scale).float()
+    return layer.weight.float()
+
+
+def _linear(x: Tensor, layer: torch.nn.Module) -> Tensor:
+    return x.float() @ _weight(layer).t()
 
 
 def _rms(x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
@@ -171,9 +180,9 @@ def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[S
         outs.append(full[:, :-1] @ keys)
     o = _rope(torch.stack(outs), pos, layer, inverse=True)
     G = cfg.o_groups
-    wo_a = layer.wo_a.weight.float().view(G, cfg.o_lora_rank, -1)
+    wo_a = _weight(layer.wo_a).view(G, cfg.o_lora_rank, -1)
     o = torch.einsum("sgd,grd->sgr", o.view(S, G, -1), wo_a).reshape(S, -1)
-    return o @ layer.wo_b.weight.float().t()
+    return o @ _weight(layer.wo_b).t()
 
 
 # A layer's output may differ from the oracle's by this much of the oracle's largest |y|

@@ -23,9 +23,11 @@ derived inputs), with the kernels each runs; and the 40-layer step those add up 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
+from compile_ops.linear import WEIGHT_ONLY_TOKENS
 from graphs import TINY_V41, V41_FLASH, V41_FLASH_PLAN, CacheConfig, DSV41Stack, LayerPlan, StepRunner
 from graphs.bench import fill_random, grow_rows, profile_kernels, time_replay
 from graphs.memory import stack_buffer_bytes
@@ -45,17 +47,19 @@ BATCHES = (1, 64, 256)
 CONTEXT = 1024
 
 
-def build(device, kv_format: str, every_layer: bool = False):
+def build(device, kv_format: str, every_layer: bool = False, weights: str = "bf16"):
     """``(stack, buckets, kinds)`` of the job on ``device`` (``every_layer``: V4.1-Flash's 40
-    layers, not the slice)."""
+    layers, not the slice; ``weights``: ``"bf16"`` or ``"fp8"``, V4.1's 32 x 32 blocks)."""
     if device.type == "cuda":
         cache = CacheConfig(max_requests=256, max_tokens=512, max_seq_len=2048, page_size=64, kv_format=kv_format,
                             max_rewind=3)
         ids = list(range(40)) if every_layer else [layer_id for layer_id, _ in FLASH_KINDS.values()]
-        stack = DSV41Stack(V41_FLASH, cache, V41_FLASH_PLAN, ids, device, record_inputs=True)
+        stack = DSV41Stack(V41_FLASH, cache, V41_FLASH_PLAN, ids, device, record_inputs=True, weights=weights)
         return stack, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], FLASH_KINDS
     cache = CacheConfig(4, 16, 64, 4, kv_format=kv_format, max_rewind=3)
-    return DSV41Stack(TINY_V41, cache, TINY_PLAN, record_inputs=True), [1, 4, 16], TINY_KINDS
+    # (the grouped FP8 wo_a needs whole 128-row scale blocks per group)
+    cfg = replace(TINY_V41, o_lora_rank=128, weight_block=32) if weights == "fp8" else TINY_V41
+    return DSV41Stack(cfg, cache, TINY_PLAN, record_inputs=True, weights=weights), [1, 4, 16], TINY_KINDS
 
 
 def watched(stack: DSV41Stack) -> dict:
@@ -140,11 +144,11 @@ def run_stack(args) -> dict:
     def say(what):
         print(f"  [stack, {time.perf_counter() - start:5.1f} s] {what}", flush=True)
 
-    stack, buckets, kinds = build(device, args.kv_format, args.stack == "all")
+    stack, buckets, kinds = build(device, args.kv_format, args.stack == "all", args.weights)
     say(f"built {stack.extra_repr()}")
     memory = stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan, stack.layer_ids, record_inputs=True)
     held = sum(b.numel() * b.element_size() for b in stack.buffers())
-    info = {"layers": stack.layer_ids, "buckets": buckets, "buffers_formula": memory["total"], "buffers_held": held,
+    info = {"layers": stack.layer_ids, "weights": args.weights, "buckets": buckets, "buffers_formula": memory["total"], "buffers_held": held,
             "buffers_per_layer": memory["per_layer"],
             "model_40_layers_buffers": (stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan)["total"]
                                         if cuda else None)}
@@ -157,8 +161,11 @@ def run_stack(args) -> dict:
     info["compile_and_capture_s"] = round(time.perf_counter() - start, 1)
     # (the 40-layer stack serves fewer tokens: the oracle's time grows with layers x tokens)
     prompts = ((500, 200, 64, 5) if args.stack == "all" else (1000, 300, 64, 700, 5, 450)) if cuda else (30, 9, 41, 4)
-    work = (mixed_workload(prompts, 16, chunk=256, max_tokens=512, rows=8, arrive_every=2, drafts=3) if cuda
-            else mixed_workload(prompts, 6, chunk=7, max_tokens=16, rows=3, arrive_every=2, drafts=3))
+    # FP8 weights: steps of at most WEIGHT_ONLY_TOKENS tokens, whose projections take the
+    # tokens in bf16, so the oracle's dequantized weights are exactly the layer's product
+    most = WEIGHT_ONLY_TOKENS if args.weights == "fp8" else 512
+    work = (mixed_workload(prompts, 16, chunk=min(256, most), max_tokens=most, rows=8, arrive_every=2, drafts=3)
+            if cuda else mixed_workload(prompts, 6, chunk=7, max_tokens=16, rows=3, arrive_every=2, drafts=3))
     k = work.kinds()
     say(f"serving {len(work.lengths)} requests in {len(work.steps)} steps ({k['prefill']} prefill chunks, "
         f"{k['decode']} decode tokens, {k['draft']} multi-token steps)")

@@ -15,11 +15,13 @@ wrong index source and must fail.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 from graphs import TINY_V41, CacheConfig, DSV41Stack, LayerPlan, Shared, StepRunner
+from graphs.fp8 import Fp8Linear
 from graphs.naive import stack_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
@@ -92,6 +94,18 @@ def test_every_layer_equals_the_oracle_on_its_own_inputs():
     xs, outs, topk, candidates, inputs = serve(stack, inputs=True)
     verdict = stack_verdict(stack, xs, outs, topk, candidates, inputs)
     assert not verdict.passed and max(verdict.layer_rel_diff, key=verdict.layer_rel_diff.get) == 7
+
+
+def test_an_fp8_stack_equals_the_oracle_with_its_dequantized_weights():
+    """V4.1's FP8 weights (32 x 32 blocks; the grouped wo_a in whole 128-row blocks): steps
+    of at most WEIGHT_ONLY_TOKENS tokens take the tokens in bf16, so the oracle with the
+    dequantized weights is the stack's function, layer by layer."""
+    cfg = replace(TINY_V41, o_lora_rank=128, weight_block=32)
+    stack = DSV41Stack(cfg, CACHE, PLAN, record_inputs=True, weights="fp8")
+    assert isinstance(stack.layers[1].wq_b, Fp8Linear)
+    xs, outs, topk, candidates, inputs = serve(stack, inputs=True)
+    verdict = stack_verdict(stack, xs, outs, topk, candidates, inputs)
+    assert verdict.passed, verdict.verdict()
 
 
 def test_a_reader_wired_to_the_wrong_index_source_fails_the_oracle():
