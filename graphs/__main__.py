@@ -81,7 +81,7 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="GPU: timed iterations, x5 for replays (default: 20)")
     p.add_argument("--plot", help="GPU: PNG path for the step-time plot (default: no plot)")
     p.add_argument("--json", help="write all results here")
-    p.add_argument("--time-budget", type=float, default=float("inf"), help="GPU: seconds; skip timings past it")
+    p.add_argument("--time-budget", type=float, default=float("inf"), help="GPU: seconds from the start, compiling included; skip the timings past it")
     p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                    help="projection weights: bf16, or DeepSeek's block-scaled fp8 (the preset's weight_block), checked against the bf16 "
                         "layer with the dequantized weights (the tiny config then has o_lora_rank 128); with --stack, against the "
@@ -439,9 +439,12 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
-    if args.plot and device.type == "cuda":
+    timed = {k: v["rows"] for k, v in results.items() if v.get("rows")}
+    if args.plot and device.type == "cuda" and not timed:
+        print(f"no plot: --time-budget {args.time_budget} s ran out before the decode timings (compiling counts)")
+    elif args.plot and device.type == "cuda":
         first = next(iter(results.values()))
-        plot({k: v["rows"] for k, v in results.items() if v.get("rows")}, args.plot,
+        plot(timed, args.plot,
              f"{first['config']} attention layer decode step at 1024 tokens, {torch.cuda.get_device_name(device)}")
         print(f"plot: {args.plot}")
     planning = time_page_planning()
