@@ -6,7 +6,7 @@ Dims ``2i`` and ``2i + 1`` of the rotated slice form pair ``i`` and turn by angl
 tokens (position ``-1``) read row 0 and their results are never used.
 
 :func:`rope_heads` is the rotation of the attention heads' last dims as one op
-(``graphs::rope_heads``, a Triton kernel on CUDA): Inductor tunes its own fused kernel of
+(``graphs::rope_heads``, a Triton kernel on CUDA, :mod:`graphs.rope_triton`): Inductor tunes its own fused kernel of
 the same rotation once, at the size-1 trace of a dynamic-token step, and that choice of
 a few elements per thread then serves every step size.
 """
@@ -16,12 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
-
-from compile_ops._launch import launchable
-from compile_ops._triton_quant import to_bf16
 
 
 def yarn_inv_freq(dim: int, original_seq_len: int, base: float, factor: float, beta_fast: int,
@@ -83,47 +78,6 @@ def apply_rope_last(x: Tensor, rope_dim: int, cos: Tensor, sin: Tensor, inverse:
     return torch.cat([x[..., :nope], apply_rope(x[..., nope:], cos, sin, inverse)], dim=-1)
 
 
-HEADS_PER_PROGRAM = 4
-
-
-@triton.jit
-def _rope_heads_kernel(x, cos, sin, out, H, s_xt, s_ct, INVERSE: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
-                       HB: tl.constexpr):
-    """Program ``(t, j)``: heads ``j * HB ..`` of token ``t``, each ``D`` values rounded to
-    bf16; pair ``i`` of the last ``D - NOPE`` (dims ``NOPE + 2i``, ``+ 1``) turned by
-    ``cos[t, i]``, ``sin[t, i]`` in fp32, as :func:`apply_rope` does."""
-    i_t, i_j = tl.program_id(0), tl.program_id(1)
-    o_h = i_j * HB + tl.arange(0, HB)
-    o_d = tl.arange(0, D)
-    m = (o_h < H)[:, None] & (o_d < D)[None, :]
-    row = x + i_t.to(tl.int64) * s_xt + o_h[:, None] * D
-    # (rounded to nearest even by its bits: the interpreter's casts truncate)
-    v = to_bf16(tl.load(row + o_d[None, :], mask=m, other=0.0).to(tl.float32)).to(tl.float32)
-    rot = o_d >= NOPE
-    # the pair's other value, and the pair's angle
-    w = to_bf16(tl.load(row + (o_d ^ 1)[None, :], mask=m & rot[None, :], other=0.0).to(tl.float32)).to(tl.float32)
-    i_p = tl.where(rot, (o_d - NOPE) // 2, 0)
-    c = tl.load(cos + i_t.to(tl.int64) * s_ct + i_p, mask=rot, other=1.0)
-    s = tl.load(sin + i_t.to(tl.int64) * s_ct + i_p, mask=rot, other=0.0)
-    # (even, odd) -> (even c - odd s, odd c + even s); the inverse turns by -s
-    sign = tl.where((o_d % 2 == 0) != INVERSE, -1.0, 1.0)
-    y = v * c[None, :] + (w * sign[None, :]) * s[None, :]
-    y = tl.where(rot[None, :], y, v)
-    tl.store(out + i_t.to(tl.int64) * H * D + o_h[:, None] * D + o_d[None, :], to_bf16(y), mask=m)
-
-
-def rope_heads_triton(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, inverse: bool = False) -> Tensor:
-    """:func:`rope_heads` as one Triton launch (CUDA tensors, or CPU ones in Triton's interpreter)."""
-    T, width = x.shape
-    H, P = width // head_dim, cos.shape[1]
-    out = torch.empty(T, H, head_dim, dtype=torch.bfloat16, device=x.device)
-    if T:
-        launchable(_rope_heads_kernel, x)[(T, triton.cdiv(H, HEADS_PER_PROGRAM))](
-            x, cos, sin, out, H, x.stride(0), cos.stride(0), INVERSE=inverse, D=head_dim, NOPE=head_dim - 2 * P,
-            HB=HEADS_PER_PROGRAM)
-    return out
-
-
 @torch.library.custom_op("graphs::rope_heads", mutates_args=())
 def rope_heads(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, inverse: bool = False) -> Tensor:
     """The heads of ``x [T, H * head_dim]`` (bf16 or fp32, rows of any stride, unit column
@@ -132,6 +86,8 @@ def rope_heads(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, inverse: bool
     ``x.bfloat16().float().view(T, H, head_dim)``, then bf16."""
     _check_heads(x, cos, sin, head_dim)
     if x.is_cuda:
+        from graphs.rope_triton import rope_heads_triton
+
         return rope_heads_triton(x, cos.contiguous(), sin.contiguous(), head_dim, inverse)
     T = x.shape[0]
     heads = x.to(torch.bfloat16).float().view(T, -1, head_dim)

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphs.rope import apply_rope, apply_rope_last, rope_heads, rope_heads_triton, rope_tables, yarn_inv_freq
+from graphs.rope import apply_rope, apply_rope_last, rope_heads, rope_tables, yarn_inv_freq
+
+rope_heads_triton = pytest.importorskip("graphs.rope_triton").rope_heads_triton
+
+pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
 
 
 def tables(T: int, pairs: int, seed: int = 0):
