@@ -12,7 +12,9 @@
   accumulation keeps too few bits). Decode steps have few tokens, so an ``M x N`` grid
   alone would leave most SMs idle on the narrow projections (``wq_a``: 10 tiles): the K
   blocks are then split over programs that write fp32 partials, and one reduction sums
-  them in split order (deterministic).
+  them in split order (deterministic). Up to ``WEIGHT_ONLY_TOKENS`` tokens the call is
+  weight-only: bf16 tokens against the weight tile dequantized in registers, in the tiles
+  of :func:`weight_only_tile` for 32-blocks.
 
 The quantizer rounds to e4m3 in fp32 arithmetic (:mod:`compile_ops._triton_quant`), so it
 equals ``quantize_tokens`` bit for bit on the GPU and in the interpreter alike. Both run on CUDA tensors, or on CPU
