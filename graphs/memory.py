@@ -34,8 +34,8 @@ def _compressor_split(cfg: AttentionConfig, ratio: int, head_dim: int) -> int:
 
 def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int,
                  role: Optional[LayerRole] = None, candidate_blocks: int = 0) -> dict[str, int]:
-    """Bytes of each buffer group of the layer; ``role``: its place in a :class:`graphs.LayerPlan` (default: it owns its cache and
-    top-k), where only a kv source holds the compressed and index-key caches and the
+    """Bytes of each buffer group of the layer; ``role``: its place in a
+    :class:`graphs.LayerPlan` (default: it owns its cache and top-k), where only a kv source holds the compressed and index-key caches and the
     compressor, only an index source (or a dense layer) the top-k buffer, and the candidate
     source ``candidate_blocks`` more int32 per step token.
 
@@ -48,7 +48,7 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int,
     * ``step_scratch``: ``topk_ids [max_tokens, K]`` int32, the RoPE tables
       ``2 * max_seq_len * rope_dim / 2`` fp32, the Hadamard matrix,
       ``candidate_ids [max_tokens, candidate_blocks]`` int32 (``sparse_mla``'s split-K partials
-      are not a buffer: a step allocates them, in its CUDA graph's pool once captured)
+      are no buffer of the layer: its calls share the per-device default workspace)
     """
     compresses = bool(ratio) and (role is None or role.compresses)
     owns_ids = bool(ratio) and (role is None or role.indexes or role.index_source is None)

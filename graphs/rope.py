@@ -6,9 +6,9 @@ Dims ``2i`` and ``2i + 1`` of the rotated slice form pair ``i`` and turn by angl
 tokens (position ``-1``) read row 0 and their results are never used.
 
 :func:`rope_heads` is the rotation of the attention heads' last dims as one op
-(``graphs::rope_heads``, a Triton kernel on CUDA, :mod:`graphs.rope_triton`): Inductor tunes its own fused kernel of
-the same rotation once, at the size-1 trace of a dynamic-token step, and that choice of
-a few elements per thread then serves every step size.
+(``graphs::rope_heads``, a Triton kernel on CUDA, :mod:`graphs.rope_triton`): Inductor
+tunes its own fused kernel of the same rotation once, at the size-1 trace of a
+dynamic-token step, and that choice for one token then serves every step size.
 """
 
 from __future__ import annotations
@@ -111,3 +111,5 @@ def _check_heads(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> None:
                          f"{list(cos.shape)} and {list(sin.shape)}")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError(f"cos and sin must be fp32, got {cos.dtype} and {sin.dtype}")
+    if cos.device != x.device or sin.device != x.device:
+        raise ValueError(f"cos and sin must be on x's device {x.device}, got {cos.device} and {sin.device}")

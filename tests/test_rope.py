@@ -8,7 +8,10 @@ import torch
 
 from graphs.rope import apply_rope, apply_rope_last, rope_heads, rope_tables, yarn_inv_freq
 
-rope_heads_triton = pytest.importorskip("graphs.rope_triton").rope_heads_triton
+
+
+def rope_heads_triton(*args, **kwargs):
+    return pytest.importorskip("graphs.rope_triton").rope_heads_triton(*args, **kwargs)
 
 pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
 
@@ -73,6 +76,7 @@ def test_opcheck():
     (dict(cos=torch.zeros(2, 8)), "cos and sin"),
     (dict(cos=torch.zeros(3, 40), sin=torch.zeros(3, 40)), "2P <= head_dim"),
     (dict(sin=torch.zeros(3, 8, dtype=torch.float64)), "fp32"),
+    (dict(cos=torch.zeros(3, 8, device="meta"), sin=torch.zeros(3, 8, device="meta")), "device"),
 ])
 def test_bad_input_is_refused(bad, match):
     cos, sin = tables(3, 8)
