@@ -104,15 +104,15 @@ def test_interpreter_equals_reference(index_format, case):
 
 @pytest.mark.parametrize("index_format", FORMATS)
 def test_interpreter_segmented_rows_equal_reference(index_format, monkeypatch):
-    """Rows long enough to split into segments: the scores kernel's first histogram feeds
-    the segmented passes, and the ids are exactly the reference's (short top-k steps, so
-    that these small rows split as 128K-entry rows do)."""
+    """Rows long enough to split into segments: the segments' kept entries are sorted
+    again, and the ids are exactly the reference's (short segments, so that these small
+    rows split as 128K-entry rows do)."""
     pytest.importorskip("triton")
     from compile_ops.indexer import triton as kernels
 
-    monkeypatch.setattr(kernels, "TOPK_BLOCK", 16)
+    monkeypatch.setattr(kernels, "TOPK_SEGMENTS", (16, 16))
     args = make_problem(index_format, 3, 8, 2, 24, 16, seed=5, holes=2)
-    assert kernels.segments(3, 24 * 16, args[0].device, 16)[0] > 1
+    assert len(kernels.topk_levels(24 * 16, 40, 16)) > 1
     want = run_reference(*args, 40, index_format)
     got, _ = kernels.indexer_topk_triton(ops._args(*args, 40, ops._check_topk(*args, 40, index_format)))
     assert torch.equal(got, want)
@@ -232,24 +232,32 @@ def test_local_entries_and_global_ids_follow_the_interleave_rule():
 
 
 @pytest.mark.parametrize("k", [1, 7, 64])
-def test_interpreter_topk_over_many_segments(k):
-    """The segmented top-k (radix passes summed over segments, ties kept by the lower id
-    across segment borders) equals a stable sort, with ``-inf`` holes and short rows."""
+@pytest.mark.parametrize("grouped", [False, True], ids=["entries", "groups-first"])
+def test_interpreter_topk_over_many_segments(k, grouped, monkeypatch):
+    """The segmented top-k (segments' best entries selected from again over several levels,
+    ties kept by the lower id across segment borders), and the same rows taken through
+    their groups' best scores first, equal a stable sort, with ``-inf`` holes, a NaN (no
+    entry) and short rows."""
     pytest.importorskip("triton")
+    from compile_ops.indexer import triton as kernels
     from compile_ops.indexer.reference import topk_of_scores
-    from compile_ops.indexer.triton import topk_of_rows
 
+    monkeypatch.setattr(kernels, "TOPK_GROUPED_FROM", 1 if grouped else 1 << 30)
+    monkeypatch.setattr(kernels, "TOPK_GROUP", 4)  # k * 4 entries of 64 groups fit these rows
     gen = torch.Generator().manual_seed(k)
     T, L = 5, 700
+    assert kernels.grouped(L, k) == grouped
     scores = torch.randint(-6, 7, (T, L), generator=gen).float()  # many ties
     scores[:, ::9] = float("-inf")
     scores[1] = -0.0  # -0.0 and 0.0 are one score
     scores[1, ::2] = 0.0
+    scores[2, 3] = float("nan")
     n = torch.tensor([700, 300, 33, 0, 5], dtype=i32)
-    masked = torch.where(torch.arange(L) < n.unsqueeze(1), scores, float("-inf"))
+    entries = (torch.arange(L) < n.unsqueeze(1)) & ~scores.isnan()
+    masked = torch.where(entries, scores, float("-inf"))
     want_ids, want_vals = topk_of_scores(masked, k)
     ids, vals = torch.empty(T, k, dtype=i32), torch.empty(T, k)
-    topk_of_rows(scores, n, ids, vals, k, block=16)
+    kernels.topk_of_rows(scores, n, ids, vals, k, segment=16)
     assert torch.equal(ids, want_ids)
     assert torch.equal(vals, want_vals)
 

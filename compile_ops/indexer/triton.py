@@ -2,8 +2,8 @@
 
 The op's tensors go to the kernels as given (the request-row checks, DCP shard counts,
 candidate restriction and the query's quantization happen inside), so a call is a few
-launches: the scores kernel, a memset and two top-k kernels for a short row (a few more
-for a long one). Every kernel is length-bounded: a token's programs stop at its ``n``
+launches: the scores kernel and one top-k kernel per level of the top-k (one level for
+rows of at most a few thousand entries). Every kernel is length-bounded: a token's programs stop at its ``n``
 entries; nothing reads or scores past it, whatever the cache's capacity.
 
 * ``_scores_kernel``, grid ``(T, S)``: program ``(t, s)`` quantizes the token's ``[Hi,
@@ -12,16 +12,14 @@ entries; nothing reads or scores past it, whatever the cache's capacity.
   the block table (e4m3 bytes and the fp32 scale of an ``fp8`` cache, or bf16), ``tl.dot``\
   s them with the queries (fp32 accumulation) and stores ``scale * sum_h w[h] * relu(dot)``
   (``-inf`` at holes and outside the candidate blocks) into a scores buffer.
-* the top-k (:func:`topk_of_rows`): the scores become order-preserving 32-bit keys, and
-  ``32 / TOPK_DIGIT`` radix passes (``tl.histogram`` of the next digit among the keys that
-  share the prefix so far) find the ``k``-th largest key exactly and how many entries equal
-  to it to keep; then every entry above it and the lowest-id ones equal to it (so equal
-  scores go to the lower id) are kept in id order and sorted by (score descending, id
-  ascending) with ``tl.sort``. A short row is one program (``_row_topk_kernel``); a long
-  one is split into segments, one program each, whose passes add into shared histograms
-  (``_hist_kernel``; each pass's program reads the earlier passes' digits from them),
-  count their kept entries (``_count_kernel``), store them after the earlier segments'
-  (``_gather_kernel``) and sort (``_sort_kernel``).
+* the top-k (:func:`topk_of_rows`): ``_segment_topk_kernel`` holds a segment of a row in
+  one program's registers, turns its scores into order-preserving 32-bit keys, finds the
+  ``k``-th largest key exactly by ``32 / TOPK_DIGIT`` radix passes (``tl.histogram`` of the
+  next digit among the keys that share the prefix so far) and keeps every entry above it
+  and the lowest-id ones equal to it, in id order. The kept entries of a row's segments
+  are selected from again the same way until one program covers the row; that program
+  sorts its ``k`` by (score descending, id ascending) with ``tl.sort``. A row of at most
+  ``TOPK_SEGMENTS[1]`` scores can be one launch of one program per row.
 
 Tokens go in chunks whose scores buffer stays under ``SCORES_BYTES``. Runs on CUDA tensors,
 or on CPU tensors under ``TRITON_INTERPRET=1`` (loops then run to a compile-time bound).
@@ -42,15 +40,12 @@ from compile_ops.indexer.inputs import IndexerArgs, block_scores, candidate_mask
 from compile_ops.mla.plan import num_sms
 
 BN = 64  # entries per scores block
-TOPK_BLOCK = 2048  # scores per step of the top-k passes
+TOPK_SEGMENTS = (2048, 8192)  # entries one top-k program selects from (in its registers)
 TOPK_DIGIT = 8  # bits per radix pass (32 / TOPK_DIGIT passes)
+TOPK_GROUP = 16  # entries per group of a long row's first selection
+TOPK_GROUPED_FROM = 4  # rows of at least this many k * TOPK_GROUP entries select groups first
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
 SCORE_PROGRAMS_PER_SM = 16  # the scores kernel's grid: enough loads in flight to stream keys
-TOPK_PROGRAMS_PER_SM = 4
-MAX_SEGMENTS = 64  # segments a row's top-k passes split it into
-# rows of up to this many top-k blocks take one program each; a longer row is split into
-# segments over many programs: one program's serial steps cost more than the passes' launches
-ROW_TOPK_BLOCKS = 1
 
 
 @triton.jit
@@ -71,19 +66,6 @@ def _sortable(x):
     made ``0.0`` first, so that equal scores have one key)."""
     bits = (x + 0.0).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 2147483647, bits)
-
-
-@triton.jit
-def _digit_hist(x, ok, prefix, PASS: tl.constexpr, DIGIT: tl.constexpr):
-    """The histogram of pass ``PASS``'s digit of the keys of ``x`` (where ``ok``, not ``-inf``)
-    whose higher digits are ``prefix``."""
-    BINS: tl.constexpr = 1 << DIGIT
-    shift: tl.constexpr = 32 - DIGIT * (PASS + 1)
-    key = _sortable(x) ^ -2147483648  # unsigned order as bits; the masks undo sign extension
-    m = ok & (x > float("-inf"))
-    if PASS > 0:
-        m = m & (((key >> (shift + DIGIT)) & ((1 << (DIGIT * PASS)) - 1)) == prefix)
-    return tl.histogram((key >> shift) & (BINS - 1), BINS, mask=m)
 
 
 @triton.jit
@@ -138,6 +120,24 @@ def _scores_kernel(
 
 
 @triton.jit
+def _kth_key(key, ok, K, DIGIT: tl.constexpr):
+    """``(thr, need)``: the ``K``-th largest of the keys ``key`` where ``ok`` (all of them when
+    fewer), by ``32 / DIGIT`` radix passes (a ``tl.histogram`` of the next digit among the
+    keys that share the digits so far), and how many keys equal to it to keep."""
+    BINS: tl.constexpr = 1 << DIGIT
+    bits = key ^ -2147483648  # unsigned order as bits; the masks undo sign extension
+    prefix = tl.zeros([], tl.int32)
+    need = K
+    for p in tl.static_range(32 // DIGIT):
+        m = ok
+        if p > 0:
+            m = m & (((bits >> (32 - DIGIT * p)) & ((1 << (DIGIT * p)) - 1)) == prefix)
+        digit = (bits >> (32 - DIGIT * (p + 1))) & (BINS - 1)
+        prefix, need = _select(tl.histogram(digit, BINS, mask=m), prefix, need, p == 0, DIGIT)
+    return prefix ^ -2147483648, need
+
+
+@triton.jit
 def _select(h, prefix, need, FIRST: tl.constexpr, DIGIT: tl.constexpr):
     """One radix pass's digit of the ``k``-th largest key, from the pass's histogram ``h``:
     ``(prefix, need)`` extended by it, ``need`` the entries still to take at or below it
@@ -149,66 +149,6 @@ def _select(h, prefix, need, FIRST: tl.constexpr, DIGIT: tl.constexpr):
     digit = tl.max(tl.where(at_or_above >= need, o_d, 0))
     need -= tl.sum(tl.where(o_d == digit, at_or_above - h, 0))
     return (prefix << DIGIT) | digit, need
-
-
-@triton.jit
-def _threshold(hist, i_t, T, K, PASSES: tl.constexpr, DIGIT: tl.constexpr):
-    """``(prefix, need)`` after the first ``PASSES`` passes, from their histograms ``hist
-    [passes, T, bins]``; after all of them the prefix is the ``k``-th largest key itself, in
-    ``_sortable``'s signed order."""
-    BINS: tl.constexpr = 1 << DIGIT
-    o_d = tl.arange(0, BINS)
-    prefix, need = _select(tl.load(hist + i_t * BINS + o_d), tl.zeros([], tl.int32), K, True, DIGIT)
-    for p in tl.static_range(1, PASSES):
-        prefix, need = _select(tl.load(hist + (p * T + i_t) * BINS + o_d), prefix, need, False, DIGIT)
-    if PASSES * DIGIT == 32:
-        prefix = prefix ^ -2147483648
-    return prefix, need
-
-
-@triton.jit
-def _segment(scores, n, s_st, SEG, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """This program's row, its segment ``[lo, hi)`` of the row's entries, and its step count."""
-    i_t, i_s = tl.program_id(0), tl.program_id(1)
-    n_t = tl.load(n + i_t)
-    lo = i_s * SEG
-    hi = tl.minimum(n_t, lo + SEG)
-    steps = ITERS if ITERS > 0 else tl.cdiv(tl.maximum(hi - lo, 0), BLOCK)
-    return i_t, i_s, scores + i_t.to(tl.int64) * s_st, lo, hi, steps
-
-
-@triton.jit
-def _hist_of(row, lo, hi, steps, prefix, PASS: tl.constexpr, DIGIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass ``PASS``'s histogram over entries ``[lo, hi)`` of a scores row."""
-    o_b = tl.arange(0, BLOCK)
-    h = tl.zeros([1 << DIGIT], tl.int32)
-    for i in range(0, steps):
-        c = lo + i * BLOCK + o_b
-        h += _digit_hist(tl.load(row + c, mask=c < hi, other=float("-inf")), c < hi, prefix, PASS, DIGIT)
-    return h
-
-
-@triton.jit
-def _keep_of(row, lo, hi, steps, thr, need, ties, taken, ids, vals, BLOCK: tl.constexpr):
-    """Entries ``[lo, hi)`` above the threshold key, and the ones equal to it while fewer
-    than ``need`` of the row's were kept (``ties`` seen before ``lo``), stored in id order
-    at ``ids`` / ``vals`` from ``taken`` on; returns the new ``taken``."""
-    o_b = tl.arange(0, BLOCK)
-    for i in range(0, steps):
-        c = lo + i * BLOCK + o_b
-        x = tl.load(row + c, mask=c < hi, other=float("-inf"))
-        key = _sortable(x)
-        ok = (c < hi) & (x > float("-inf"))
-        eq = ok & (key == thr)
-        eq_i = eq.to(tl.int32)
-        keep = (ok & (key > thr)) | (eq & (ties + tl.cumsum(eq_i, 0) - eq_i < need))
-        keep_i = keep.to(tl.int32)
-        at = taken + tl.cumsum(keep_i, 0) - keep_i
-        tl.store(ids + at, c, mask=keep)
-        tl.store(vals + at, x, mask=keep)
-        taken += tl.sum(keep_i)
-        ties += tl.sum(eq_i)
-    return taken
 
 
 @triton.jit
@@ -231,87 +171,83 @@ def _sort_row(ids, vals, taken, K, K_PAD: tl.constexpr):
 
 
 @triton.jit
-def _row_topk_kernel(
-    scores, n, hist, ids, vals, s_st, s_it, K,
-    PASSES: tl.constexpr, DIGIT: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, K_PAD: tl.constexpr,
-):
-    """A whole row's top-k in one program: the radix passes after the first (whose histogram
-    ``_hist_kernel`` added into ``hist[0, t]``), the kept entries, their sort."""
-    i_t = tl.program_id(0)
-    row = scores + i_t.to(tl.int64) * s_st
-    hi = tl.load(n + i_t)
-    steps = ITERS if ITERS > 0 else tl.cdiv(hi, BLOCK)
-    BINS: tl.constexpr = 1 << DIGIT
-    prefix, need = _select(tl.load(hist + i_t * BINS + tl.arange(0, BINS)), tl.zeros([], tl.int32), K, True, DIGIT)
-    for p in tl.static_range(1, PASSES):
-        prefix, need = _select(_hist_of(row, 0, hi, steps, prefix, p, DIGIT, BLOCK), prefix, need, False, DIGIT)
-    at_ids, at_vals = ids + i_t * s_it, vals + i_t * s_it
-    zero = tl.zeros([], tl.int32)
-    taken = _keep_of(row, zero, hi, steps, prefix ^ -2147483648, need, zero, zero, at_ids, at_vals, BLOCK)
-    tl.debug_barrier()  # the kept entries are stored before the sort reads them
-    _sort_row(at_ids, at_vals, taken, K, K_PAD)
+def _group_max_kernel(scores, n, gmax, n_groups, n_cand, s_st, s_gt, K, G: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``(t, s)``: the best score of each group of ``G`` entries among row ``t``'s
+    scores ``[s * BLOCK, (s + 1) * BLOCK)`` into ``gmax`` (``-inf``: none valid; groups
+    past ``n[t]`` are not written); program 0 also stores the row's group count and its
+    candidate count, ``G`` per group the group top-k can keep."""
+    i_t, i_s = tl.program_id(0), tl.program_id(1)
+    n_t = tl.maximum(tl.load(n + i_t), 0)
+    if i_s == 0:
+        tl.store(n_groups + i_t, tl.cdiv(n_t, G))
+        tl.store(n_cand + i_t, tl.minimum(tl.cdiv(n_t, G), K) * G)
+    if i_s * BLOCK < n_t:
+        c = i_s * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(scores + i_t.to(tl.int64) * s_st + c, mask=c < n_t, other=float("-inf"))
+        x = tl.where(x > float("-inf"), x, float("-inf"))  # NaN is no entry, as in the selection
+        o_g = i_s * (BLOCK // G) + tl.arange(0, BLOCK // G)
+        tl.store(gmax + i_t.to(tl.int64) * s_gt + o_g, tl.max(tl.reshape(x, [BLOCK // G, G]), 1))
 
 
 @triton.jit
-def _hist_kernel(
-    scores, n, hist, s_st, SEG, T, K,
-    PASS: tl.constexpr, DIGIT: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+def _segment_topk_kernel(
+    src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, s_src, s_ids, s_cand, s_out, K, PREV_COVER, COVER,
+    SOURCE: tl.constexpr, G: tl.constexpr, SEG: tl.constexpr, K_PAD: tl.constexpr, DIGIT: tl.constexpr,
+    LAST: tl.constexpr, SORTED: tl.constexpr,
 ):
-    """Pass ``PASS`` of a segmented row: its segment's histogram of the next digit among the
-    keys that share the prefix of the earlier passes, added into ``hist[PASS, t]``."""
-    i_t, i_s, row, lo, hi, steps = _segment(scores, n, s_st, SEG, BLOCK, ITERS)
-    prefix, _ = _threshold(hist, i_t, T, K, PASS, DIGIT)
-    h = _hist_of(row, lo, hi, steps, prefix, PASS, DIGIT, BLOCK)
-    tl.atomic_add(hist + (PASS * T + i_t) * (1 << DIGIT) + tl.arange(0, 1 << DIGIT), h, sem="relaxed")
-
-
-@triton.jit
-def _count_kernel(scores, n, hist, counts, s_st, SEG, S, T, K,
-                  PASSES: tl.constexpr, DIGIT: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Entries of this segment above the threshold key, and equal to it: ``counts[t, s]``."""
-    i_t, i_s, row, lo, hi, steps = _segment(scores, n, s_st, SEG, BLOCK, ITERS)
-    thr, _ = _threshold(hist, i_t, T, K, PASSES, DIGIT)
-    o_b = tl.arange(0, BLOCK)
-    gt = tl.zeros([], tl.int32)
-    eq = tl.zeros([], tl.int32)
-    for i in range(0, steps):
-        c = lo + i * BLOCK + o_b
-        x = tl.load(row + c, mask=c < hi, other=float("-inf"))
+    """One level of the top-k: program ``(t, s)`` holds entries ``[s * SEG, (s + 1) * SEG)``
+    of row ``t``'s first ``n[t]`` and keeps their best ``K`` (:func:`_kth_key`; equal scores go
+    to the lower id) in id order, ``-inf`` after. ``SOURCE`` 0: the row's scores (``-inf`` =
+    none); 1: the entries the level before kept, ``K_PAD`` slots per program; 2: the entries
+    of the row's kept groups (``src_ids [T, K]``: group ids in id order, ``-1`` after; entry
+    ``c`` is entry ``c % G`` of group ``c // G``, of the ``n_src[t]`` scores). Where it covers
+    the whole row (``n[t] <= COVER``) it stores the row's ``K`` ids / scores: sorted by
+    (score descending, id ascending) if ``SORTED``, else the ids in id order, ``-1`` after.
+    Programs with nothing to do (past the row's entries, or a row an earlier level
+    finished: ``n[t] <= PREV_COVER``) return at once."""
+    i_t, i_s = tl.program_id(0), tl.program_id(1)
+    n_t = tl.maximum(tl.load(n + i_t), 0)
+    if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
+        o = tl.arange(0, SEG)
+        c = i_s * SEG + o
+        if SOURCE == 0:
+            valid = c < n_t
+            idx = c
+            x = tl.load(src_vals + i_t.to(tl.int64) * s_src + c, mask=valid, other=float("-inf"))
+        elif SOURCE == 1:  # the slots of the earlier level's programs that had entries
+            valid = c < tl.cdiv(n_t, PREV_COVER) * K_PAD
+            idx = tl.load(src_ids + i_t.to(tl.int64) * s_ids + c, mask=valid, other=0)
+            x = tl.load(src_vals + i_t.to(tl.int64) * s_src + c, mask=valid, other=float("-inf"))
+        else:
+            group = tl.load(src_ids + i_t.to(tl.int64) * s_ids + c // G, mask=c < n_t, other=-1)
+            idx = group * G + c % G
+            valid = (group >= 0) & (idx < tl.load(n_src + i_t))
+            x = tl.load(src_vals + i_t.to(tl.int64) * s_src + idx, mask=valid, other=float("-inf"))
         key = _sortable(x)
-        ok = (c < hi) & (x > float("-inf"))
-        gt += tl.sum((ok & (key > thr)).to(tl.int32))
-        eq += tl.sum((ok & (key == thr)).to(tl.int32))
-    tl.store(counts + (i_t * S + i_s) * 2, gt)
-    tl.store(counts + (i_t * S + i_s) * 2 + 1, eq)
-
-
-@triton.jit
-def _gather_kernel(
-    scores, n, hist, counts, ids, vals, s_st, s_it, SEG, S, T, K,
-    PASSES: tl.constexpr, DIGIT: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-):
-    """This segment's kept entries (above the threshold, and the lowest-id ``need`` equal to
-    it over the whole row) into ``ids`` / ``vals`` after the earlier segments' ones."""
-    i_t, i_s, row, lo, hi, steps = _segment(scores, n, s_st, SEG, BLOCK, ITERS)
-    thr, need = _threshold(hist, i_t, T, K, PASSES, DIGIT)
-    o_s = tl.arange(0, S_PAD)
-    before = o_s < i_s
-    ties = tl.sum(tl.load(counts + (i_t * S + o_s) * 2 + 1, mask=before, other=0))
-    taken = tl.sum(tl.load(counts + (i_t * S + o_s) * 2, mask=before, other=0)) + tl.minimum(ties, need)
-    _keep_of(row, lo, hi, steps, thr, need, ties, taken, ids + i_t * s_it, vals + i_t * s_it, BLOCK)
-
-
-@triton.jit
-def _sort_kernel(hist, counts, ids, vals, s_it, S, T, K,
-                 PASSES: tl.constexpr, DIGIT: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr):
-    """A segmented row's kept entries, sorted."""
-    i_t = tl.program_id(0)
-    _, need = _threshold(hist, i_t, T, K, PASSES, DIGIT)
-    o_s = tl.arange(0, S_PAD)
-    m_s = o_s < S
-    taken = (tl.sum(tl.load(counts + (i_t * S + o_s) * 2, mask=m_s, other=0))
-             + tl.minimum(tl.sum(tl.load(counts + (i_t * S + o_s) * 2 + 1, mask=m_s, other=0)), need))
-    _sort_row(ids + i_t * s_it, vals + i_t * s_it, taken, K, K_PAD)
+        ok = valid & (x > float("-inf"))
+        thr = tl.full([], -2147483648, tl.int32)  # keep every valid entry ...
+        need = K
+        if tl.sum(valid.to(tl.int32)) > K:  # ... unless this program holds more than K
+            thr, need = _kth_key(key, ok, K, DIGIT)
+        eq = (ok & (key == thr)).to(tl.int32)
+        keep = (ok & (key > thr)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < need))
+        keep_i = keep.to(tl.int32)
+        at = tl.cumsum(keep_i, 0) - keep_i
+        taken = tl.sum(keep_i)
+        o_k = tl.arange(0, K_PAD)
+        if LAST or n_t <= COVER:
+            tl.store(ids + i_t * s_out + at, idx, mask=keep)
+            if SORTED:
+                tl.store(vals + i_t * s_out + at, x, mask=keep)
+                tl.debug_barrier()  # the kept entries are stored before the sort reads them
+                _sort_row(ids + i_t * s_out, vals + i_t * s_out, taken, K, K_PAD)
+            else:
+                tl.store(ids + i_t * s_out + o_k, tl.full([K_PAD], -1, tl.int32), mask=(o_k >= taken) & (o_k < K))
+        else:
+            at_cand = i_t.to(tl.int64) * s_cand + i_s * K_PAD
+            tl.store(cand_ids + at_cand + at, idx, mask=keep)
+            tl.store(cand_vals + at_cand + at, x, mask=keep)
+            tl.store(cand_vals + at_cand + o_k, tl.full([K_PAD], float("-inf"), tl.float32), mask=o_k >= taken)
 
 
 def one_chunk(T, L: int) -> bool:
@@ -320,50 +256,94 @@ def one_chunk(T, L: int) -> bool:
     return statically_known_true(T * 4 * L <= SCORES_BYTES)
 
 
-def segments(T, L: int, device: torch.device, block: int) -> tuple[int, int]:
-    """``(S, seg)``: the top-k splits each of ``T`` rows of ``L`` scores into ``S`` segments of
-    ``seg`` (a multiple of ``block``); one segment (one program per row, no cross-program
-    passes) for rows of at most ``ROW_TOPK_BLOCKS * block`` or when the rows alone fill the GPU. A
-    traced (symbolic) ``T`` takes one token's count, since ``S`` sets compile-time sizes."""
-    if L <= ROW_TOPK_BLOCKS * block:
-        return 1, max(L, 1)
-    per_token = TOPK_PROGRAMS_PER_SM * num_sms(device) // (T if isinstance(T, int) else 1)
-    S = max(1, min(MAX_SEGMENTS, per_token, triton.cdiv(L, block)))
-    seg = triton.cdiv(triton.cdiv(L, S), block) * block
-    return triton.cdiv(L, seg), seg
+def topk_warps(seg: int) -> int:
+    """Warps of a top-k program holding ``seg`` entries: 16 at 8K, whose registers 8 warps
+    would spill."""
+    return 16 if seg >= 8192 else 8 if seg >= 2048 else 4
+
+
+def topk_segment(T, L: int, device: torch.device) -> int:
+    """Entries per top-k program for ``T`` rows of ``L`` scores: the most (up to
+    ``TOPK_SEGMENTS[1]``) that still give every SM a program, at least ``TOPK_SEGMENTS[0]``:
+    one program's radix passes take longer than another level's launch. A traced (symbolic)
+    ``T`` counts as one row, since the segment sets compile-time sizes."""
+    rows = T if isinstance(T, int) else 1
+    seg = TOPK_SEGMENTS[1]
+    while seg > TOPK_SEGMENTS[0] and rows * triton.cdiv(L, seg) < num_sms(device):
+        seg //= 2
+    return seg
+
+
+def topk_levels(L: int, k: int, segment: int) -> list[tuple[int, int, int]]:
+    """The top-k's levels for rows of ``L`` scores: ``(seg, programs, cover)`` each, ``seg``
+    the entries one program selects from (a power of two, at least ``4 * k_pad``), ``programs``
+    per row and ``cover`` the scores one program's result stands for; the last level has
+    one program per row. A row of at most ``segment`` scores is one level of one program."""
+    k_pad = triton.next_power_of_2(k)
+    seg = max(triton.next_power_of_2(segment), 4 * k_pad)
+    if L <= seg:
+        return [(max(triton.next_power_of_2(max(L, 1)), k_pad), 1, L)]
+    levels, width, cover = [], L, 1  # width: entries per row to sort at this level
+    while width > seg:
+        programs = triton.cdiv(width, seg)
+        cover *= seg if not levels else seg // k_pad
+        levels.append((seg, programs, cover))
+        width = programs * k_pad
+    levels.append((triton.next_power_of_2(width), 1, L))
+    return levels
+
+
+def _select_levels(src, n, ids, vals, k, segment, source=0, groups=None, n_src=None, sort=True) -> None:
+    """The levels of :func:`topk_levels` over ``src [T, L]`` (``source`` 2: ``L`` entries
+    addressed through ``groups``), ending in ``ids`` / ``vals``."""
+    T, L = (src.shape[0], k * TOPK_GROUP) if source == 2 else src.shape
+    k_pad = triton.next_power_of_2(k)
+    src_vals, src_ids, prev_cover = src, groups if source == 2 else n, -1
+    levels = topk_levels(L, k, segment or topk_segment(T, L, src.device))
+    for i, (seg, programs, cover) in enumerate(levels):
+        last = i == len(levels) - 1
+        if last:
+            cand_vals, cand_ids = vals, ids
+        else:
+            cand_vals = torch.empty((T, programs * k_pad), dtype=torch.float32, device=src.device)
+            cand_ids = torch.empty((T, programs * k_pad), dtype=torch.int32, device=src.device)
+        launchable(_segment_topk_kernel, src)[(T, programs)](
+            src_vals, src_ids, n, n if n_src is None else n_src, cand_vals, cand_ids, ids, vals, src_vals.stride(0),
+            src_ids.stride(0) if src_ids.dim() == 2 else 0, cand_vals.stride(0), ids.stride(0), k, prev_cover, cover,
+            SOURCE=source if i == 0 else 1, G=TOPK_GROUP, SEG=seg, K_PAD=k_pad, DIGIT=TOPK_DIGIT, LAST=last,
+            SORTED=sort, num_warps=topk_warps(seg),
+        )
+        src_vals, src_ids, prev_cover = cand_vals, cand_ids, cover
+
+
+def grouped(L: int, k: int) -> bool:
+    """Whether the top-k of rows of ``L`` scores goes through their groups' best scores."""
+    return L >= TOPK_GROUPED_FROM * triton.next_power_of_2(k) * TOPK_GROUP
 
 
 def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, k: int,
-                 block: Optional[int] = None) -> None:
+                 segment: Optional[int] = None) -> None:
     """The exact top-``k`` of each row's first ``n[t]`` scores (``-inf`` = none) into ``ids`` /
-    ``vals [T, k]``: radix passes over :func:`segments` of every row at once, then one sort
-    (any segment count gives the same ids); ``block``: scores per step of the passes
-    (``TOPK_BLOCK``)."""
+    ``vals [T, k]``, by (score descending, id ascending): each level of :func:`topk_levels`
+    splits a row into segments (one program each) and keeps their best ``k``, which contain
+    the row's; the level whose one program covers a row's entries sorts and writes its
+    result, and later levels skip it. A long row (:func:`grouped`) first takes the best score
+    of each group of ``TOPK_GROUP`` entries and the top-``k`` groups by it, whose entries
+    hold the row's top-``k`` (a group beaten by ``k`` groups' best entries has none); the
+    levels then select from those ``k * TOPK_GROUP`` entries. ``segment``: the entries a
+    program selects from (:func:`topk_segment`)."""
     T, L = scores.shape
-    block = block or TOPK_BLOCK
-    bins, passes = 1 << TOPK_DIGIT, 32 // TOPK_DIGIT
-    S, seg = segments(T, L, scores.device, block)
-    iters = triton.cdiv(seg, block) if INTERPRET else 0
-    launch = lambda kernel, grid: launchable(kernel, scores)[grid]  # noqa: E731
-    hist = torch.zeros((passes, T, bins), dtype=torch.int32, device=scores.device)
-    launch(_hist_kernel, (T, S))(scores, n, hist, scores.stride(0), seg, T, k,
-                                 PASS=0, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters)
-    k_pad = triton.next_power_of_2(k)
-    if S == 1:
-        launch(_row_topk_kernel, (T,))(scores, n, hist, ids, vals, scores.stride(0), ids.stride(0), k, PASSES=passes,
-                                       DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters, K_PAD=k_pad, num_warps=16)
+    if not grouped(L, k):
+        _select_levels(scores, n, ids, vals, k, segment)
         return
-    for p in range(1, passes):
-        launch(_hist_kernel, (T, S))(scores, n, hist, scores.stride(0), seg, T, k,
-                                     PASS=p, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters)
-    counts = torch.empty((T, S, 2), dtype=torch.int32, device=scores.device)
-    launch(_count_kernel, (T, S))(scores, n, hist, counts, scores.stride(0), seg, S, T, k,
-                                  PASSES=passes, DIGIT=TOPK_DIGIT, BLOCK=block, ITERS=iters)
-    s_pad = triton.next_power_of_2(S)
-    launch(_gather_kernel, (T, S))(scores, n, hist, counts, ids, vals, scores.stride(0), ids.stride(0), seg, S, T, k,
-                                   PASSES=passes, DIGIT=TOPK_DIGIT, S_PAD=s_pad, BLOCK=block, ITERS=iters)
-    launch(_sort_kernel, (T,))(hist, counts, ids, vals, ids.stride(0), S, T, k,
-                               PASSES=passes, DIGIT=TOPK_DIGIT, S_PAD=s_pad, K_PAD=k_pad, num_warps=16)
+    block = 256 * TOPK_GROUP
+    gmax = torch.empty((T, triton.cdiv(L, block) * block // TOPK_GROUP), dtype=torch.float32, device=scores.device)
+    n_groups, n_cand = torch.empty((2, T), dtype=torch.int32, device=scores.device)
+    launchable(_group_max_kernel, scores)[(T, triton.cdiv(L, block))](
+        scores, n, gmax, n_groups, n_cand, scores.stride(0), gmax.stride(0), k, G=TOPK_GROUP, BLOCK=block)
+    groups = torch.empty((T, k), dtype=torch.int32, device=scores.device)
+    _select_levels(gmax, n_groups, groups, vals, k, segment, sort=False)
+    _select_levels(scores, n_cand, ids, vals, k, segment, source=2, groups=groups, n_src=n)
 
 
 def _per_chunk(args: IndexerArgs, select) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,5 +405,4 @@ def indexer_candidates_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Te
 
 
 # the names of this module's kernels, as a profile shows them
-KERNEL_NAMES = tuple(k.fn.__name__ for k in (_scores_kernel, _row_topk_kernel, _hist_kernel, _count_kernel,
-                                             _gather_kernel, _sort_kernel))
+KERNEL_NAMES = tuple(k.fn.__name__ for k in (_scores_kernel, _segment_topk_kernel))

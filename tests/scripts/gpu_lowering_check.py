@@ -50,7 +50,7 @@ TOL = 5e-2  # max |got - eager| <= TOL * max |eager| per step: fp8 caches turn o
 # differences of fused rounding into e4m3 steps (2^-3 relative) that later steps read back
 KERNELS = ("_sparse_mla_kernel", "_swa_indices_kernel", "_topk_to_slots_kernel")
 # AOTInductor inlines the indexer too (lowering.inductor: torch.compile keeps it an extern call)
-AOTI_KERNELS = KERNELS + ("_scores_kernel", "_hist_kernel", "_row_topk_kernel")
+AOTI_KERNELS = KERNELS + ("_scores_kernel", "_segment_topk_kernel")
 INDEXER_CALLS = {"torch.ops.dsv41.write_index_keys.default", "torch.ops.dsv41.indexer_topk.default"}
 summary: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
 # the proof is of the inlined tl kernel: Inductor cannot compile the Gluon kernel, which
