@@ -49,10 +49,16 @@ class PagePool:
         return len(self._free)
 
     def take(self) -> int:
-        if not self._free:
+        return self.take_many(1)[0]
+
+    def take_many(self, k: int) -> list[int]:
+        """``k`` pages, in the order ``k`` calls of :meth:`take` would give them."""
+        if k > len(self._free):
             raise RuntimeError(f"the {self.name} pool's {self.num_pages} pages are all in use: size it larger "
                                f"(CacheConfig.{self.name}_pages) or release finished requests")
-        return self._free.pop()
+        taken = self._free[len(self._free) - k:][::-1]
+        del self._free[len(self._free) - k:]
+        return taken
 
     def give(self, page: int) -> None:
         self._free.append(page)
@@ -68,10 +74,6 @@ class PageAllocator:
         window: the layer's SWA window (``AttentionConfig.window_size``).
         rank: the layer's DCP rank (its share of the compressed entries gets pages).
         generator: hand pages out in a random order.
-
-    Attributes:
-        length: accepted tokens of each row (where its next step continues).
-        high: highest position each row has written (``-1``: none).
     """
 
     def __init__(self, cache: CacheConfig, ratio: int | Sequence[int], window: int, *, rank: int = 0,
@@ -80,26 +82,32 @@ class PageAllocator:
         self.ratios = tuple(r for r in ((ratio,) if isinstance(ratio, int) else tuple(ratio)) if r)
         self.single = isinstance(ratio, int)  # take_changes / cmp_table: one table, not a dict
         self.cache, self.window, self.rank = cache, window, rank
-        # host rows of the block tables, as Python lists (indexing a tensor per entry would
-        # cost microseconds each on the host path of every step)
-        # kind "swa" or a compressed ratio -> one list per row
-        self._rows = {"swa": [[-1] * cache.swa_table_columns() for _ in range(R)],
-                      **{r: [[-1] * cache.cmp_pages_per_request(r) for _ in range(R)] for r in self.ratios}}
+        # host block tables and per-row state as numpy arrays: a step updates all its
+        # requests in a few array operations (a Python loop per request cost microseconds
+        # each on the host path of every step); kind "swa" or a compressed ratio -> table
+        self._tables = {"swa": np.full((R, cache.swa_table_columns()), -1, np.int32),
+                        **{r: np.full((R, cache.cmp_pages_per_request(r)), -1, np.int32) for r in self.ratios}}
         self._pools = {"swa": PagePool(cache.swa_num_pages(window), "swa", generator),
                        **{r: PagePool(cache.cmp_num_pages(r), "cmp", generator) for r in self.ratios}}
         self.swa_pool = self._pools["swa"]
-        self.length = [0] * R
-        self.high = [-1] * R
-        self._swa_low = [0] * R  # lowest SWA column a row may still hold
-        self._cmp_columns = {r: [0] * R for r in self.ratios}  # compressed columns given (a prefix of the row)
-        # per ratio: (ratio, entries per page, columns given per row), for the per-step loop
-        self._cmp = [(r, cache.block_size(r), self._cmp_columns[r]) for r in self.ratios]
-        # this rank's share of global entries 0 .. n - 1 (CacheConfig.local_entries)
-        self._local_entries = (lambda n: n) if cache.dcp_world == 1 else (lambda n: cache.local_entries(n, rank))
+        self._length = np.zeros(R, np.int64)
+        self._high = np.full(R, -1, np.int64)
+        self._swa_low = np.zeros(R, np.int64)  # lowest SWA column a row may still hold
+        self._given = {r: np.zeros(R, np.int64) for r in self.ratios}  # compressed columns given (a prefix)
         # (row, column) -> page of the entries changed since take_changes, the last change
         # of an entry winning (one index_put_ of duplicate indices would pick either)
-        self._changes: dict = {kind: {} for kind in self._rows}
-        self._touched: list[int] = []
+        self._changes: dict = {kind: {} for kind in self._tables}
+        self._touched = np.zeros(0, np.int64)
+
+    @property
+    def length(self) -> list[int]:
+        """Accepted tokens of each row (where its next step continues)."""
+        return self._length.tolist()
+
+    @property
+    def high(self) -> list[int]:
+        """Highest position each row has written (``-1``: none)."""
+        return self._high.tolist()
 
     @classmethod
     def for_layer(cls, layer, *, generator: Optional[torch.Generator] = None) -> "PageAllocator":
@@ -112,51 +120,51 @@ class PageAllocator:
 
     def runs(self, positions: Sequence[int] | Tensor, token_to_req: Sequence[int] | Tensor) -> list[tuple[int, int, int]]:
         """The step's ``(row, first position, tokens)`` per request, after checking its layout."""
+        return list(zip(*(a.tolist() for a in self._runs(positions, token_to_req))))
+
+    def _runs(self, positions, token_to_req) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`runs` as arrays ``(rows, first positions, tokens)``."""
         # numpy, not torch: a host step is a few dozen small array operations, and each
         # torch call costs microseconds of dispatch
         pos, req = _host_array(positions), _host_array(token_to_req)
         if pos.shape != req.shape:
             raise ValueError(f"positions and token_to_req differ in length ({pos.size} vs {req.size})")
-        R, n = len(self.length), pos.size
+        R, n = len(self._length), pos.size
         if n and (req.min() < 0 or req.max() >= R):
             i = int(np.flatnonzero((req < 0) | (req >= R))[0])
             raise ValueError(f"token {i}: request row {int(req[i])} is outside [0, {R})")
         first = np.flatnonzero(np.concatenate(([True], req[1:] != req[:-1]))) if n else np.zeros(0, np.int64)
-        counts = np.empty_like(first)
-        counts[:-1] = first[1:] - first[:-1]
-        counts[-1:] = n - first[-1:]
+        counts = np.concatenate((first[1:], [n])) - first
         rows, p0 = req[first], pos[first]
-        expected = np.repeat(p0 - first, counts) + np.arange(n)
-        if (pos != expected).any():
-            i = int(np.flatnonzero(pos != expected)[0])
-            raise ValueError(f"token {i}: request {int(req[i])}'s tokens must be at consecutive positions "
-                             f"({int(expected[i])} expected, got {int(pos[i])})")
-        rows = rows.tolist()
-        if len(set(rows)) != len(rows):
+        if first.size < n:  # some request has several tokens: at consecutive positions?
+            expected = np.repeat(p0 - first, counts) + np.arange(n)
+            if np.count_nonzero(pos != expected):
+                i = int(np.flatnonzero(pos != expected)[0])
+                raise ValueError(f"token {i}: request {int(req[i])}'s tokens must be at consecutive positions "
+                                 f"({int(expected[i])} expected, got {int(pos[i])})")
+        if rows.size and np.bincount(rows).max() > 1:
             raise ValueError("each request's tokens must be contiguous in the step (a request appears in two runs)")
-        runs = list(zip(rows, p0.tolist(), counts.tolist()))
-        max_seq_len, rewind, length, high = self.cache.max_seq_len, self.cache.max_rewind, self.length, self.high
-        for r, p0, n in runs:
-            if p0 < 0 or p0 + n > max_seq_len:
-                raise ValueError(f"request {r}: positions {p0}..{p0 + n - 1} outside [0, max_seq_len="
-                                 f"{max_seq_len})")
-            if p0 > length[r]:
-                raise ValueError(f"request {r} has {length[r]} tokens: a step cannot start at position {p0}")
-            if p0 < high[r] + 1 - rewind:
-                raise ValueError(f"request {r} wrote up to position {high[r]}: a step may rewind at most "
-                                 f"max_rewind={rewind} positions, so start at >= {high[r] + 1 - rewind}, not {p0}")
-        return runs
+        max_seq_len, rewind = self.cache.max_seq_len, self.cache.max_rewind
+        length, high = self._length[rows], self._high[rows]
+        if np.count_nonzero((p0 < np.maximum(high + (1 - rewind), 0)) | (p0 > length) | (p0 + counts > max_seq_len)):
+            for r, p, c, have, top in zip(rows.tolist(), p0.tolist(), counts.tolist(), length.tolist(), high.tolist()):
+                if p < 0 or p + c > max_seq_len:
+                    raise ValueError(f"request {r}: positions {p}..{p + c - 1} outside [0, max_seq_len={max_seq_len})")
+                if p > have:
+                    raise ValueError(f"request {r} has {have} tokens: a step cannot start at position {p}")
+                if p < top + 1 - rewind:
+                    raise ValueError(f"request {r} wrote up to position {top}: a step may rewind at most "
+                                     f"max_rewind={rewind} positions, so start at >= {top + 1 - rewind}, not {p}")
+        return rows, p0, counts
 
     def plan(self, positions: Sequence[int] | Tensor, token_to_req: Sequence[int] | Tensor) -> None:
         """Check a step (host ``[n]`` integers) and give its requests the pages it writes
         and reads; the block-table changes wait in :meth:`take_changes`. Raises
-        ``ValueError`` for a bad layout (nothing changed) and ``RuntimeError`` when a pool
-        runs out (the pages given so far stay given)."""
-        runs = self.runs(positions, token_to_req)
-        window = self.window
-        for r, p0, n in runs:
-            self._give_run(r, p0 - window + 1 if p0 >= window else 0, p0 + n)
-        self._touched = [r for r, _, _ in runs]
+        ``ValueError`` for a bad layout and ``RuntimeError`` when a pool runs out (nothing
+        changed, either way)."""
+        rows, p0, n = self._runs(positions, token_to_req)
+        self._give_runs(rows, np.maximum(p0 - self.window + 1, 0), p0 + n)
+        self._touched = rows
 
     def grow(self, row: int, length: int) -> None:
         """Give ``row`` the pages of a request that already holds ``length`` tokens (SWA:
@@ -165,50 +173,81 @@ class PageAllocator:
         if not 0 <= row < len(self.length) or not 0 <= length <= self.cache.max_seq_len:
             raise ValueError(f"need a row in [0, {len(self.length)}) and a length in [0, {self.cache.max_seq_len}], "
                              f"got row {row}, length {length}")
-        if self.length[row] or self.high[row] >= 0:
+        if self._length[row] or self._high[row] >= 0:
             raise ValueError(f"row {row} already holds a request: release() it first")
         low = max(0, length - 1 - self.cache.swa_keep(self.window))
-        self._give_run(row, low, length)
+        self._give_runs(np.array([row]), np.array([low]), np.array([length]))
         self._swa_low[row] = low // self.cache.page_size
 
-    def _give_run(self, r: int, swa_from: int, end: int) -> None:
+    def _give_runs(self, rows: np.ndarray, swa_from: np.ndarray, end: np.ndarray) -> None:
+        """Rows ``rows`` (distinct) get the SWA pages of positions ``swa_from .. end - 1`` and
+        the compressed pages of their first ``end`` positions' entries; their length becomes
+        ``end``. A pool short of pages raises ``RuntimeError`` before anything changes.
+
+        A row's SWA pages are columns ``swa_low .. high // page_size`` and its compressed
+        pages columns ``0 .. given - 1`` (pages are given as positions advance and taken
+        back from the bottom), so only rows whose range leaves those can need a page: the
+        array tests find them, and only they are walked column by column."""
         ps = self.cache.page_size
-        swa = self._rows["swa"][r]
-        for col in range(swa_from // ps, (end - 1) // ps + 1):
-            if swa[col] < 0:
-                self._give(r, col, "swa")
-        for ratio, block, given in self._cmp:
-            entries = self._local_entries(end // ratio)  # this rank's share
-            while given[r] < -(-entries // block):
-                self._give(r, given[r], ratio)
-                given[r] += 1
-        self.length[r] = end
-        if end > self.high[r]:
-            self.high[r] = end - 1
+        lo, hi = swa_from // ps, (end - 1) // ps
+        high = self._high[rows]
+        may_need = (lo < self._swa_low[rows]) | (hi > high // ps)  # -1 // ps: no page yet
+        wanted, grown = {"swa": []}, {}
+        if np.count_nonzero(may_need):
+            wanted["swa"] = self._missing("swa", rows[may_need], lo[may_need], hi[may_need] + 1)
+        for ratio in self.ratios:
+            entries = end // ratio
+            if self.cache.dcp_world > 1:  # this rank's share (CacheConfig.local_entries)
+                span, step = self.cache.dcp_world * self.cache.dcp_interleave, self.cache.dcp_interleave
+                entries = (entries // span) * step + np.clip(entries % span - self.rank * step, 0, step)
+            need = -(-entries // self.cache.block_size(ratio))
+            given = self._given[ratio][rows]
+            more = need > given
+            wanted[ratio] = []
+            if np.count_nonzero(more):
+                wanted[ratio] = self._missing(ratio, rows[more], given[more], need[more])
+                grown[ratio] = rows[more], need[more]
+        for kind, entries in wanted.items():
+            if len(entries) > self._pools[kind].num_free:
+                self._pools[kind].take_many(len(entries))  # raises: the pool is short
+        for kind, entries in wanted.items():
+            table, changes = self._tables[kind], self._changes[kind]
+            for (r, col), page in zip(entries, self._pools[kind].take_many(len(entries))):
+                table[r, col] = changes[r, col] = page
+        for ratio, (at, need) in grown.items():
+            self._given[ratio][at] = need
+        self._length[rows] = end
+        self._high[rows] = np.maximum(high, end - 1)
 
     def trim(self) -> None:
         """Give back the SWA pages of the last planned step's requests that no later step
         reads (call it once that step is launched: later work reuses them in stream order)."""
-        keep, ps, swa_low = self.cache.swa_keep(self.window), self.cache.page_size, self._swa_low
-        for r in self._touched:
-            low = max(0, self.high[r] - keep) // ps
-            if low > swa_low[r]:
-                for col in range(swa_low[r], low):
-                    self._free(r, col, "swa")
-                swa_low[r] = low
-        self._touched = []
+        rows = self._touched
+        low = np.maximum(self._high[rows] - self.cache.swa_keep(self.window), 0) // self.cache.page_size
+        old = self._swa_low[rows]
+        up = low > old
+        if np.count_nonzero(up):
+            rows, old, low = rows[up], old[up], low[up]
+            table, changes, pool = self._tables["swa"], self._changes["swa"], self.swa_pool
+            for r, start, stop in zip(rows.tolist(), old.tolist(), low.tolist()):
+                for col in range(start, stop):
+                    if table[r, col] >= 0:
+                        pool.give(int(table[r, col]))
+                        table[r, col] = changes[r, col] = -1
+            self._swa_low[rows] = low
+        self._touched = rows[:0]
 
     def release(self, row: int) -> None:
         """A finished request: give back all its pages; the row starts over at position 0."""
-        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self.length):
-            raise ValueError(f"row must be a request row in 0..{len(self.length) - 1} (CacheConfig.max_requests), "
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self._length):
+            raise ValueError(f"row must be a request row in 0..{len(self._length) - 1} (CacheConfig.max_requests), "
                              f"got {row!r}")
-        for kind, rows in self._rows.items():
-            for col, page in enumerate(rows[row]):
-                if page >= 0:
-                    self._free(row, col, kind)
-        self.length[row], self.high[row], self._swa_low[row] = 0, -1, 0
-        for given in self._cmp_columns.values():
+        for kind, table in self._tables.items():
+            for col in np.flatnonzero(table[row] >= 0).tolist():
+                self._pools[kind].give(int(table[row, col]))
+                table[row, col] = self._changes[kind][row, col] = -1
+        self._length[row], self._high[row], self._swa_low[row] = 0, -1, 0
+        for given in self._given.values():
             given[row] = 0
 
     def take_changes(self):
@@ -217,8 +256,10 @@ class PageAllocator:
         ``{ratio: changes}`` for an allocator of several ratios."""
         out = {}
         for kind, entries in self._changes.items():
-            changes = [(r, c, page) for (r, c), page in entries.items()]
-            out[kind] = tuple(torch.tensor(v, dtype=torch.int32) for v in zip(*changes)) if changes else None
+            out[kind] = None
+            if entries:
+                at = torch.tensor(list(entries), dtype=torch.int32)
+                out[kind] = at[:, 0], at[:, 1], torch.tensor(list(entries.values()), dtype=torch.int32)
             self._changes[kind] = {}
         cmp = {r: out[r] for r in self.ratios}
         return out["swa"], (next(iter(cmp.values()), None) if self.single else cmp)
@@ -231,36 +272,29 @@ class PageAllocator:
     @property
     def swa_table(self) -> Tensor:
         """Host copy ``[R, Bs]`` int32 of the SWA block table (``-1`` = no page)."""
-        return torch.tensor(self._rows["swa"], dtype=torch.int32)
+        return torch.from_numpy(self._tables["swa"].copy())
 
     def cmp_table_of(self, ratio: int) -> Tensor:
         """Host copy ``[R, Bc]`` int32 of ratio ``ratio``'s compressed block table (``-1`` = no page)."""
-        cols = self.cache.cmp_pages_per_request(ratio)
-        return torch.tensor(self._rows[ratio], dtype=torch.int32).reshape(len(self.length), cols)
+        return torch.from_numpy(self._tables[ratio].copy())
 
     @property
     def cmp_table(self) -> Tensor:
         """Host copy ``[R, Bc]`` int32 of the compressed block table (one ratio; ``[R, 0]`` for none)."""
         if not self.ratios:
-            return torch.zeros(len(self.length), 0, dtype=torch.int32)
+            return torch.zeros(len(self._length), 0, dtype=torch.int32)
         return self.cmp_table_of(self.ratios[0])
 
-    def _give(self, row: int, col: int, kind) -> None:
-        table = self._rows[kind][row]
-        if table[col] < 0:
-            table[col] = page = self._pools[kind].take()
-            self._changes[kind][row, col] = page
-
-    def _free(self, row: int, col: int, kind) -> None:
-        table = self._rows[kind][row]
-        if table[col] >= 0:
-            self._pools[kind].give(table[col])
-            table[col] = -1
-            self._changes[kind][row, col] = -1
+    def _missing(self, kind, rows: np.ndarray, start: np.ndarray, stop: np.ndarray) -> list[tuple[int, int]]:
+        """``(row, column)`` of table ``kind``'s entries without a page in columns
+        ``start[i] .. stop[i] - 1`` of ``rows[i]``, in that order."""
+        table = self._tables[kind]
+        return [(r, col) for r, a, b in zip(rows.tolist(), start.tolist(), stop.tolist())
+                for col in range(a, b) if table[r, col] < 0]
 
 
 def _host_array(values: Sequence[int] | Tensor) -> np.ndarray:
     """Host integers (a CPU tensor or a sequence) as a flat int64 array."""
     if isinstance(values, Tensor):
-        return values.detach().reshape(-1).numpy().astype(np.int64, copy=False)
+        return values.detach().numpy().reshape(-1).astype(np.int64, copy=False)
     return np.asarray(values, dtype=np.int64).reshape(-1)

@@ -210,7 +210,7 @@ class StepRunner:
         swa, cmp = self.pages.take_changes()
         ratios = list(cmp) if isinstance(cmp, dict) else None  # a stack: one table per ratio
         tables = [cmp[r] for r in ratios] if ratios is not None else [cmp]
-        positions, token_to_req, swa, *tables = self._to_device(positions, token_to_req, swa, *tables)
+        positions, token_to_req, swa, *tables = self._to_device(size, positions, token_to_req, swa, *tables)
         self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
         self.meta.update(positions, token_to_req, bucket=size)
         self.x[:n].copy_(x, non_blocking=True)
@@ -224,30 +224,29 @@ class StepRunner:
         self.pages.trim()
         return out
 
-    def _to_device(self, *parts):
-        """The step's host integers (``[n]`` tensors and ``PageChanges`` triples, ``None``
-        skipped) in one copy to the layer's device. On CUDA they are packed into a pinned
-        buffer from torch's caching host allocator, which reuses a buffer only once its
-        last copy has finished: a copy from pageable memory would wait for the stream to
+    def _to_device(self, size: int, positions: Tensor, token_to_req: Tensor, *changes):
+        """The step's host integers in one copy to the layer's device: ``positions`` /
+        ``token_to_req`` padded to the bucket's ``size`` (padding: position ``-1``, request
+        row 0), then the ``PageChanges`` triples (``None`` skipped). They are written into one
+        pinned buffer from torch's caching host allocator, which reuses a buffer only once
+        its last copy has finished: a copy from pageable memory would wait for the stream to
         drain, holding the host until the GPU is idle."""
         device = self.meta.ints.device
-        flat = [t for part in parts if part is not None for t in (part if isinstance(part, tuple) else (part,))]
-        if device.type != "cuda" or not flat:
-            return parts
-        stage = torch.empty(sum(t.numel() for t in flat), dtype=torch.int32, pin_memory=True)
-        torch.cat(flat, out=stage)
-        moved = stage.to(device, non_blocking=True).split([t.numel() for t in flat])
-        out, i = [], 0
-        for part in parts:
-            if part is None:
-                out.append(None)
-            elif isinstance(part, tuple):
-                out.append(tuple(moved[i : i + len(part)]))
-                i += len(part)
-            else:
-                out.append(moved[i])
-                i += 1
-        return out
+        n = positions.numel()
+        flat = [t for part in changes if part is not None for t in part]
+        lengths = [size, size] + [t.numel() for t in flat]
+        stage = torch.empty(sum(lengths), dtype=torch.int32, pin_memory=device.type == "cuda")
+        host = stage.numpy()
+        host[:n], host[n:size] = positions.numpy(), -1
+        host[size:size + n], host[size + n:2 * size] = token_to_req.numpy(), 0
+        at = 2 * size
+        for t in flat:
+            host[at:at + t.numel()] = t.numpy()
+            at += t.numel()
+        moved = iter(stage.to(device, non_blocking=True).split(lengths))
+        positions, token_to_req = next(moved), next(moved)
+        return (positions, token_to_req,
+                *(None if part is None else tuple(next(moved) for _ in part) for part in changes))
 
     def release(self, row: int) -> None:
         """A request finished: give its pages back (:meth:`PageAllocator.release`)."""
