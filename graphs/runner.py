@@ -225,17 +225,18 @@ class StepRunner:
         return out
 
     def _to_device(self, size: int, positions: Tensor, token_to_req: Tensor, *changes):
-        """The step's host integers in one copy to the layer's device: ``positions`` /
+        """The step's host integers staged for the layer's device: ``positions`` /
         ``token_to_req`` padded to the bucket's ``size`` (padding: position ``-1``, request
-        row 0), then the ``PageChanges`` triples (``None`` skipped). They are written into one
-        pinned buffer from torch's caching host allocator, which reuses a buffer only once
-        its last copy has finished: a copy from pageable memory would wait for the stream to
-        drain, holding the host until the GPU is idle."""
+        row 0), for :meth:`StepMetadata.update` to copy straight into its buffer, and the
+        ``PageChanges`` triples (``None`` skipped) moved in one copy. They are written into
+        one pinned buffer from torch's caching host allocator, which reuses a buffer only
+        once its last copy has finished: a copy from pageable memory would wait for the
+        stream to drain, holding the host until the GPU is idle."""
         device = self.meta.ints.device
         n = positions.numel()
         flat = [t for part in changes if part is not None for t in part]
-        lengths = [size, size] + [t.numel() for t in flat]
-        stage = torch.empty(sum(lengths), dtype=torch.int32, pin_memory=device.type == "cuda")
+        lengths = [t.numel() for t in flat]
+        stage = torch.empty(2 * size + sum(lengths), dtype=torch.int32, pin_memory=device.type == "cuda")
         host = stage.numpy()
         host[:n], host[n:size] = positions.numpy(), -1
         host[size:size + n], host[size + n:2 * size] = token_to_req.numpy(), 0
@@ -243,9 +244,8 @@ class StepRunner:
         for t in flat:
             host[at:at + t.numel()] = t.numpy()
             at += t.numel()
-        moved = iter(stage.to(device, non_blocking=True).split(lengths))
-        positions, token_to_req = next(moved), next(moved)
-        return (positions, token_to_req,
+        moved = iter(stage[2 * size:].to(device, non_blocking=True).split(lengths) if flat else ())
+        return (stage[:size], stage[size:2 * size],
                 *(None if part is None else tuple(next(moved) for _ in part) for part in changes))
 
     def release(self, row: int) -> None:
