@@ -413,6 +413,23 @@ def test_compressor_projection_is_the_fp32_product_and_follows_loaded_weights(ra
                 assert (got.double() - want).abs().max() <= 2**-14 * want.abs().max()
 
 
+def test_a_step_the_pools_cannot_serve_changes_nothing():
+    """A step that needs more pages than a pool holds is refused whole: ``RuntimeError``
+    naming the pool, every table, length and free page as before; a smaller step then
+    plans as usual."""
+    layer = make_layer(2, max_seq_len=64, max_tokens=16, swa_pages=3)
+    pages = PageAllocator.for_layer(layer)
+    pages.plan(torch.arange(8, dtype=I32), torch.zeros(8, dtype=I32))
+    before = (pages.swa_table, pages.cmp_table, pages.length, pages.high, pages.pages_held())
+    pos, req = torch.cat([torch.arange(8, 16), torch.arange(16)]).to(I32), torch.tensor([0] * 8 + [1] * 16, dtype=I32)
+    with pytest.raises(RuntimeError, match="swa pool's 3 pages are all in use"):
+        pages.plan(pos, req)
+    after = (pages.swa_table, pages.cmp_table, pages.length, pages.high, pages.pages_held())
+    assert all(torch.equal(a, b) for a, b in zip(before[:2], after[:2])) and before[2:] == after[2:]
+    pages.plan(torch.arange(8, 12, dtype=I32), torch.zeros(4, dtype=I32))
+    assert pages.length[:2] == [12, 0]
+
+
 def test_page_changes_name_each_table_entry_once():
     """A row released and reused before the tables are copied: each (row, column) appears
     once, with its last page (a device index_put_ of duplicates would pick either)."""
