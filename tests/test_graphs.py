@@ -16,10 +16,13 @@ activations differently, by an ulp, and later steps read those rows back).
 from __future__ import annotations
 
 import copy
+import random
 
 import expecttest
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compile_ops.formats import read_kv
 from compile_ops.indexer.cache import read_index_keys
@@ -28,6 +31,7 @@ from graphs.bench import pick_matched
 from graphs.fused import project
 from graphs.naive import oracle_verdict
 from graphs.schedule import Workload, hidden_states, mixed_workload, run_workload, staggered
+from helpers import examples
 
 PAGE = 4
 I32 = torch.int32
@@ -411,6 +415,50 @@ def test_compressor_projection_is_the_fp32_product_and_follows_loaded_weights(ra
             for got, w in ((kv, want_from.wkv.weight), (gate, want_from.wgate.weight)):
                 want = x.double() @ w.double().t()
                 assert (got.double() - want).abs().max() <= 2**-14 * want.abs().max()
+
+
+@settings(deadline=None, max_examples=examples(0.5))
+@given(ratio=st.sampled_from([0, 2, 4]), world=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
+       steps=st.integers(1, 30))
+def test_pages_held_follow_each_rows_positions(ratio, world, seed, steps):
+    """Random steps of several rows (decode, drafts with rewinds, prefill chunks, releases),
+    each trimmed: every row holds exactly the SWA pages of positions ``high - swa_keep ..
+    high`` and the compressed pages of its first ``high + 1`` positions' entries (this
+    rank's share), each page once, and the pools' free pages are the rest."""
+    gen = random.Random(seed)
+    cache = CacheConfig(3, 16, 96, 4, dcp_world=world)
+    window = TINY.window_size
+    pages = PageAllocator(cache, ratio, window, rank=world - 1, generator=torch.Generator().manual_seed(seed))
+    ps, keep = cache.page_size, cache.swa_keep(window)
+    for _ in range(steps):
+        if gen.random() < 0.1:
+            pages.release(gen.randrange(3))
+            continue
+        pos, req = [], []
+        for r in gen.sample(range(3), gen.randint(1, 3)):
+            start = max(pages.high[r] + 1 - gen.choice([0, 0, 1, cache.max_rewind]), 0)
+            start = min(start, pages.length[r])
+            n = min(gen.choice([1, 1, 3, 9]), cache.max_seq_len - start)
+            if n > 0:
+                pos += range(start, start + n)
+                req += [r] * n
+        if pos:
+            pages.plan(torch.tensor(pos, dtype=I32), torch.tensor(req, dtype=I32))
+            pages.trim()
+    swa, held = pages.swa_table, []
+    cmp = pages.cmp_table
+    for r, high in enumerate(pages.high):
+        want = set(range(max(0, high - keep) // ps, high // ps + 1)) if high >= 0 else set()
+        assert set((swa[r] >= 0).nonzero().flatten().tolist()) == want, r
+        if ratio:
+            entries = cache.local_entries((high + 1) // ratio, world - 1)
+            assert (cmp[r] >= 0).nonzero().flatten().tolist() == list(range(-(-entries // cache.block_size(ratio)))), r
+    for table, pool in ((swa, pages.swa_pool), (cmp, None)):
+        used = table[table >= 0].tolist()
+        assert len(used) == len(set(used))
+        if pool is not None:
+            assert len(used) + pool.num_free == pool.num_pages
+    assert pages.pages_held() == (int((swa >= 0).sum()), int((cmp >= 0).sum()))
 
 
 def test_a_step_the_pools_cannot_serve_changes_nothing():

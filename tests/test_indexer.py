@@ -262,6 +262,30 @@ def test_interpreter_topk_over_many_segments(k, grouped, monkeypatch):
     assert torch.equal(vals, want_vals)
 
 
+@settings(deadline=None, max_examples=examples(0.3))
+@given(T=st.integers(1, 3), L=st.integers(1, 300), k=st.integers(1, 20), segment=st.sampled_from([16, 64]),
+       group=st.sampled_from([2, 4]), grouped=st.booleans(), spread=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_interpreter_topk_levels_equal_a_stable_sort(T, L, k, segment, group, grouped, spread, seed):
+    """Any row length, ``k``, segment and group size, groups first or not: the levels' ids
+    and scores are a stable sort's (ties frequent: scores drawn from ``spread`` values)."""
+    pytest.importorskip("triton")
+    from compile_ops.indexer import triton as kernels
+    from compile_ops.indexer.reference import topk_of_scores
+
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, spread, (T, L), generator=gen).float()
+    scores[torch.rand(T, L, generator=gen) < 0.2] = float("-inf")
+    n = torch.randint(0, L + 1, (T,), generator=gen, dtype=i32)
+    want_ids, want_vals = topk_of_scores(torch.where(torch.arange(L) < n.unsqueeze(1), scores, float("-inf")), k)
+    ids, vals = torch.empty(T, k, dtype=i32), torch.empty(T, k)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "TOPK_GROUP", group)
+        patch.setattr(kernels, "TOPK_GROUPED_FROM", 1 if grouped else 1 << 30)
+        kernels.topk_of_rows(scores, n, ids, vals, k, segment=segment)
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(vals, want_vals)
+
+
 def test_triton_limits_send_auto_to_the_reference():
     """A k or a head count past the Triton kernels' limits: ``auto`` takes the reference,
     an explicit ``triton`` raises the reason (asked of a CUDA device, without running)."""
