@@ -170,8 +170,8 @@ class PageAllocator:
         """Give ``row`` the pages of a request that already holds ``length`` tokens (SWA:
         the positions its next step may read) and set its length, as if steps had written
         them: for benchmarks and tests that fill the caches directly."""
-        if not 0 <= row < len(self.length) or not 0 <= length <= self.cache.max_seq_len:
-            raise ValueError(f"need a row in [0, {len(self.length)}) and a length in [0, {self.cache.max_seq_len}], "
+        if not 0 <= row < len(self._length) or not 0 <= length <= self.cache.max_seq_len:
+            raise ValueError(f"need a row in [0, {len(self._length)}) and a length in [0, {self.cache.max_seq_len}], "
                              f"got row {row}, length {length}")
         if self._length[row] or self._high[row] >= 0:
             raise ValueError(f"row {row} already holds a request: release() it first")
@@ -197,9 +197,9 @@ class PageAllocator:
             wanted["swa"] = self._missing("swa", rows[may_need], lo[may_need], hi[may_need] + 1)
         for ratio in self.ratios:
             entries = end // ratio
-            if self.cache.dcp_world > 1:  # this rank's share (CacheConfig.local_entries)
-                span, step = self.cache.dcp_world * self.cache.dcp_interleave, self.cache.dcp_interleave
-                entries = (entries // span) * step + np.clip(entries % span - self.rank * step, 0, step)
+            if self.cache.dcp_world > 1:  # this rank's share
+                share = self.cache.local_entries
+                entries = np.fromiter((share(e, self.rank) for e in entries.tolist()), np.int64, entries.size)
             need = -(-entries // self.cache.block_size(ratio))
             given = self._given[ratio][rows]
             more = need > given

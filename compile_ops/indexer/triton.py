@@ -3,8 +3,9 @@
 The op's tensors go to the kernels as given (the request-row checks, DCP shard counts,
 candidate restriction and the query's quantization happen inside), so a call is a few
 launches: the scores kernel and one top-k kernel per level of the top-k (one level for
-rows of at most a few thousand entries). Every kernel is length-bounded: a token's programs stop at its ``n``
-entries; nothing reads or scores past it, whatever the cache's capacity.
+rows of at most a few thousand entries). Every kernel is length-bounded: a token's
+programs stop at its ``n`` entries; nothing reads or scores past it, whatever the cache's
+capacity.
 
 * ``_scores_kernel``, grid ``(T, S)``: program ``(t, s)`` quantizes the token's ``[Hi,
   128]`` queries (``fp8``: e4m3 with one power-of-two scale per head, folded into the
@@ -283,7 +284,7 @@ def topk_levels(L: int, k: int, segment: int) -> list[tuple[int, int, int]]:
     seg = max(triton.next_power_of_2(segment), 4 * k_pad)
     if L <= seg:
         return [(max(triton.next_power_of_2(max(L, 1)), k_pad), 1, L)]
-    levels, width, cover = [], L, 1  # width: entries per row to sort at this level
+    levels, width, cover = [], L, 1  # width: entries per row to select from at this level
     while width > seg:
         programs = triton.cdiv(width, seg)
         cover *= seg if not levels else seg // k_pad
