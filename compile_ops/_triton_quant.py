@@ -1,5 +1,6 @@
 """Rounding helpers the Triton quantizers share (the KV and index-key row store, the
-indexer's query quantizer, the FP8 linear's token quantizer).
+indexer's query quantizer, the FP8 linear's token quantizer), and the e4m3 -> bf16 widening
+of the weight-only FP8 GEMM.
 
 Each rounds in fp32 integer or exact-step arithmetic before any cast, so the cast that
 follows is exact and the bytes equal torch's on the GPU and under Triton's interpreter
@@ -56,3 +57,40 @@ def ue8m0_exponent(amax):
 def power_of_two(exponent):
     """``2 ** (exponent - 127)`` as fp32, from its bits."""
     return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_to_bf16(x):
+    """e4m3 ``x`` widened to bf16, exactly, in integer and bf16 arithmetic (CUDA only: inline
+    PTX, which Triton's interpreter cannot run).
+
+    Triton's own cast goes e4m3 -> f16 -> bf16, one conversion instruction per element
+    and one per pair, and Hopper's conversion unit retires 16 per clock per SM: a kernel
+    that widens every weight byte it streams is held at about half the HBM bandwidth by
+    it. Here a byte ``s eeee mmm`` moves to bf16's bits as ``s 0000 eeee mmm 0000`` (byte
+    permutes, a shift and masks, two elements per 32-bit register), which is the e4m3
+    value times ``2**-120`` for normals and subnormals alike (bf16 has 4 more exponent
+    bits, an exponent bias 120 larger and subnormals of its own); one bf16 ``fma`` by
+    ``2**120`` (adding ``-0.0``, which keeps signed zeros) rebiases it. The e4m3 NaN byte
+    comes out as 480.0, not NaN: weights hold none.
+    """
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 a, m, rebias, zero;
+        mov.b32 rebias, 0x7B807B80;
+        mov.b32 zero, 0x80008000;
+        cvt.u32.u16 a, $1;
+        prmt.b32 a, a, 0, 0x1404;
+        shr.b32 m, a, 4;
+        and.b32 m, m, 0x07F007F0;
+        lop3.b32 m, a, 0x80008000, m, 0xea;
+        fma.rn.bf16x2 $0, m, rebias, zero;
+        }
+        """,
+        "=r,h",
+        [x.to(tl.uint8, bitcast=True)],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=2,
+    )

@@ -7,6 +7,7 @@ operands, the Triton kernel under the interpreter against the reference, the fak
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 
 import compile_ops
@@ -211,7 +212,8 @@ for sb, bm, bn, bk, swap in ((0, 16, 128, 128, False), (32, 16, 64, 128, True), 
     ptx = build(kernels._fp8_gemm_kernel, gemm("*u8" if sb else "*fp32", "*bf16"),
                 {"BM": bm, "BN": bn, "BK": bk, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "BF16_A": True,
                  "UPCAST": False, "SB": sb, "SWAP": swap})
-    print(f"bf16x{sb or 128}x{bm}", "wgmma" in ptx or "mma.sync" in ptx)
+    # the weights widen to bf16 in integer arithmetic, not through the conversion unit
+    print(f"bf16x{sb or 128}x{bm}", "wgmma" in ptx or "mma.sync" in ptx, "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx)
 quant = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
          "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "POW2": "constexpr"}
 for bk in (128, 32):
@@ -220,10 +222,30 @@ for bk in (128, 32):
 """
 
 
+def test_the_weight_widening_bit_rule_gives_every_e4m3_value():
+    """:func:`compile_ops._triton_quant.e4m3_to_bf16`'s PTX, step by step on every pair of
+    bytes (Triton packs element 0 in the low byte / half): ``prmt`` puts the bytes in bits
+    15:8 and 31:24, the magnitude moves down 4 bits beside the sign, and the bf16 read of
+    each half times ``2**120`` is the e4m3 value (NaN bytes aside), subnormals and ``-0``
+    included."""
+    b = np.arange(256, dtype=np.uint32)
+    pair = (b[:, None] | (b[None, :] << 8)).reshape(-1)
+    source = [(pair >> (8 * i)) & 0xFF for i in range(4)] + [np.zeros_like(pair)] * 4
+    a = sum(source[(0x1404 >> (4 * i)) & 7] << (8 * i) for i in range(4))  # prmt.b32 a, a, 0, 0x1404
+    m = (a & 0x80008000) | ((a >> 4) & 0x07F007F0)  # shr, and, lop3 0xea
+    halves = np.stack([m & 0xFFFF, m >> 16]).astype(np.uint16).view(np.int16)
+    got = torch.from_numpy(halves).view(torch.bfloat16).double() * 2.0 ** 120  # fma.rn.bf16x2 by 2**120
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    want = torch.stack([e4m3.repeat_interleave(256), e4m3.repeat(256)])  # pair i * 256 + j: bytes i, j
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(got[finite].signbit(), want[finite].signbit())
+
+
 def test_kernel_builds_for_sm90():
     """The launches the GPU runs (GEMM tiles of 16 and 64 rows, both layouts, weight-only
     tiles, the quantizer), compiled for
-    sm_90 without a GPU: in a
+    sm_90 without a GPU (the weight-only tiles with no e4m3 -> f16 -> bf16 conversions): in a
     process of its own, since the interpreter (TRITON_INTERPRET=1 here) patches Triton's
     language module for the whole process."""
     import os
@@ -235,7 +257,8 @@ def test_kernel_builds_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     # tensor-core MMAs, and correctly rounded divisions in the quantizer
     assert run.stdout.split() == ["16x128", "True", "16x32", "True", "64x128", "True", "64x32", "True",
-                                  "bf16x128x16", "True", "bf16x32x16", "True", "bf16x32x64", "True", "quant128", "True", "quant32", "True"], run.stdout
+                                  "bf16x128x16", "True", "True", "bf16x32x16", "True", "True", "bf16x32x64", "True", "True",
+                                  "quant128", "True", "quant32", "True"], run.stdout
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops._triton_quant import round_to_e4m3
+from compile_ops._triton_quant import e4m3_to_bf16, round_to_e4m3
 from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, WEIGHT_ONLY_TOKENS, layout_of_block, layout_of_scale
 
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
@@ -125,7 +125,7 @@ def _fp8_gemm_kernel(
             if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
                 t_a, w = t_a.to(tl.float32), t_b.to(tl.float32) * scale
             else:
-                w = t_b.to(tl.bfloat16) * scale.to(tl.bfloat16)
+                w = e4m3_to_bf16(t_b) * scale.to(tl.bfloat16)
             if SWAP:
                 acc += tl.dot(w, tl.trans(t_a))
             else:
@@ -135,7 +135,7 @@ def _fp8_gemm_kernel(
                 if UPCAST:
                     part = tl.dot(t_a.to(tl.float32), tl.trans(t_b.to(tl.float32)))
                 else:
-                    part = tl.dot(t_a, tl.trans(t_b.to(tl.bfloat16)))
+                    part = tl.dot(t_a, tl.trans(e4m3_to_bf16(t_b)))
                 s_a = tl.where(m_m & live, 1.0, 0.0)
             else:
                 part = tl.dot(t_a, tl.trans(t_b), max_num_imprecise_acc=0)
