@@ -37,11 +37,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from compile_ops._launch import INTERPRET, launchable
 from compile_ops._triton_quant import power_of_two, to_e4m3, ue8m0_exponent
-from compile_ops.indexer.inputs import IndexerArgs, block_scores, candidate_mask
+from compile_ops.indexer.inputs import IndexerArgs
 from compile_ops.mla.plan import num_sms
 
 BN = 64  # entries per scores block
 TOPK_SEGMENTS = (2048, 8192)  # entries one top-k program selects from (in its registers)
+TOPK_GATHER_SEGMENT = 4096  # ... when it gathers them through group ids (8192 spill registers)
 TOPK_DIGIT = 8  # bits per radix pass (32 / TOPK_DIGIT passes)
 TOPK_GROUP = 16  # entries per group of a long row's first selection
 TOPK_GROUPED_FROM = 4  # rows of at least this many k * TOPK_GROUP entries select groups first
@@ -118,6 +119,62 @@ def _scores_kernel(
             b_dot = tl.dot(b_k, tl.trans(b_q))  # [BN, HI] fp32
         b_s = tl.where(m_c, tl.sum(tl.maximum(b_dot, 0.0) * b_w[None, :], 1) * b_scale, float("-inf"))
         tl.store(scores + i_t.to(tl.int64) * s_st + c, b_s, mask=c < n_t)
+
+
+@triton.jit
+def _visible_blocks(t2r, n_entries, i_t, R, LW, block):
+    """Token ``i_t``'s global candidate blocks that hold an entry it may see,
+    ``ceil(min(n, L * world) / block)`` (0 when it picks nothing), and its pinned block,
+    that of its newest entry (``pinned_blocks``; -1: none)."""
+    row = tl.load(t2r + i_t)
+    n_g = tl.minimum(tl.maximum(tl.load(n_entries + i_t), 0), LW)
+    n_g = tl.where((row >= 0) & (row < R), n_g, 0)
+    return tl.cdiv(n_g, block), tl.where(n_g > 0, (n_g - 1) // block, -1)
+
+
+@triton.jit
+def _candidate_mask_kernel(cand, t2r, n_entries, allowed, s_ct, s_at, C, R, LW, block,
+                           C_PAD: tl.constexpr, CHUNK: tl.constexpr, ITERS: tl.constexpr):
+    """Program ``t``: ``allowed[t, b]`` (int8) is 1 for the blocks ``b`` among ``cand[t, :C]``,
+    0 for the others, over the token's visible blocks only (the scores kernel reads no
+    other): cleared first, then the candidates set, in one program (the barrier orders
+    the two)."""
+    i_t = tl.program_id(0)
+    nb_t, _ = _visible_blocks(t2r, n_entries, i_t, R, LW, block)
+    row = allowed + i_t.to(tl.int64) * s_at
+    o = tl.arange(0, CHUNK)
+    for i in range(0, ITERS if ITERS > 0 else tl.cdiv(nb_t, CHUNK)):
+        tl.store(row + i * CHUNK + o, tl.zeros([CHUNK], tl.int8), mask=i * CHUNK + o < nb_t)
+    tl.debug_barrier()
+    o_c = tl.arange(0, C_PAD)
+    b = tl.load(cand + i_t.to(tl.int64) * s_ct + o_c, mask=o_c < C, other=-1)
+    tl.store(row + b, tl.full([C_PAD], 1, tl.int8), mask=(b >= 0) & (b < nb_t))
+
+
+@triton.jit
+def _block_max_kernel(scores, n, t2r, n_entries, out, n_out, s_st, s_ot, R, LW, rank, world, interleave, block, S,
+                      BB: tl.constexpr, BP: tl.constexpr, ITERS: tl.constexpr):
+    """Program ``(t, s)``: the best score of each of token ``t``'s visible candidate blocks
+    ``s, s + S, ...`` (``BB`` blocks of ``block <= BP`` global ids a step) into ``out`` (the
+    ids this rank holds, local column ``c < n[t]`` of ``scores``; ``-inf``: none; the pinned
+    block ``+inf``); program 0 stores the visible block count into ``n_out``. Blocks past
+    it are not written."""
+    i_t, i_s = tl.program_id(0), tl.program_id(1)
+    nb_t, pinned = _visible_blocks(t2r, n_entries, i_t, R, LW, block)
+    if i_s == 0:
+        tl.store(n_out + i_t, nb_t)
+    n_t = tl.load(n + i_t)
+    o_b = tl.arange(0, BB)
+    o_j = tl.arange(0, BP)
+    span = world * interleave
+    for i in range(0, ITERS if ITERS > 0 else tl.cdiv(tl.maximum(tl.cdiv(nb_t, BB) - i_s, 0), S)):
+        b = (i_s + i * S) * BB + o_b
+        g = b[:, None] * block + o_j[None, :]  # [BB, BP] global ids
+        c = (g // span) * interleave + g % interleave  # the local column, where this rank holds g
+        m = (o_j[None, :] < block) & ((g // interleave) % world == rank) & (c < n_t)
+        x = tl.load(scores + i_t.to(tl.int64) * s_st + c, mask=m, other=float("-inf"))
+        best = tl.max(tl.where(x > float("-inf"), x, float("-inf")), 1)  # NaN is no entry
+        tl.store(out + i_t.to(tl.int64) * s_ot + b, tl.where(b == pinned, float("inf"), best), mask=b < nb_t)
 
 
 @triton.jit
@@ -300,7 +357,8 @@ def _select_levels(src, n, ids, vals, k, segment, source=0, groups=None, n_src=N
     T, L = (src.shape[0], k * TOPK_GROUP) if source == 2 else src.shape
     k_pad = triton.next_power_of_2(k)
     src_vals, src_ids, prev_cover = src, groups if source == 2 else n, -1
-    levels = topk_levels(L, k, segment or topk_segment(T, L, src.device))
+    segment = segment or topk_segment(T, L, src.device)
+    levels = topk_levels(L, k, min(segment, TOPK_GATHER_SEGMENT) if source == 2 else segment)
     for i, (seg, programs, cover) in enumerate(levels):
         last = i == len(levels) - 1
         if last:
@@ -347,6 +405,47 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     _select_levels(scores, n_cand, ids, vals, k, segment, source=2, groups=groups, n_src=n)
 
 
+def global_blocks(args: IndexerArgs) -> int:
+    """Candidate blocks of ``candidate_block`` global ids that the tables address, on all
+    of the shard's ranks."""
+    L = args.block_table.shape[1] * args.cache.shape[1]
+    return triton.cdiv(L * args.shard[1], args.candidate_block)
+
+
+def candidate_mask(args: IndexerArgs, lo: int, hi: int) -> torch.Tensor:
+    """``[hi - lo, nb]`` int8 (:func:`global_blocks`): 1 where a block is among tokens
+    ``lo:hi``'s ``args.candidates``, over each token's visible blocks (the rest unset)."""
+    cand = args.candidates[lo:hi]
+    L = args.block_table.shape[1] * args.cache.shape[1]
+    allowed = torch.empty((hi - lo, global_blocks(args)), dtype=torch.int8, device=cand.device)
+    chunk = 1024
+    launchable(_candidate_mask_kernel, cand)[(hi - lo,)](
+        cand, args.token_to_req[lo:hi], args.n_entries[lo:hi], allowed, cand.stride(0), allowed.stride(0),
+        cand.shape[1], args.block_table.shape[0], L * args.shard[1], args.candidate_block,
+        C_PAD=triton.next_power_of_2(max(cand.shape[1], 1)), CHUNK=chunk,
+        ITERS=triton.cdiv(allowed.shape[1], chunk) if INTERPRET else 0)
+    return allowed
+
+
+def block_scores(args: IndexerArgs, scores: torch.Tensor, n: torch.Tensor, lo: int, hi: int):
+    """``(blocks [hi - lo, nb] fp32, visible [hi - lo] int32)``: tokens ``lo:hi``'s candidate
+    block scores (:func:`compile_ops.indexer.inputs.block_scores`) from their local
+    ``scores`` and counts ``n``, written for each token's ``visible`` blocks only."""
+    rank, world, interleave = args.shard
+    L = args.block_table.shape[1] * args.cache.shape[1]
+    nb, block = global_blocks(args), args.candidate_block
+    blocks = torch.empty((hi - lo, nb), dtype=torch.float32, device=scores.device)
+    visible = torch.empty((hi - lo,), dtype=torch.int32, device=scores.device)
+    BB = 64
+    steps = triton.cdiv(nb, BB)
+    S = torch.sym_max(1, torch.sym_min(steps, SCORE_PROGRAMS_PER_SM * num_sms(scores.device) // (hi - lo)))
+    launchable(_block_max_kernel, scores)[(hi - lo, S)](
+        scores, n, args.token_to_req[lo:hi], args.n_entries[lo:hi], blocks, visible, scores.stride(0),
+        blocks.stride(0), args.block_table.shape[0], L * world, rank, world, interleave, block, S,
+        BB=BB, BP=triton.next_power_of_2(block), ITERS=triton.cdiv(steps, S) if INTERPRET else 0)
+    return blocks, visible
+
+
 def _per_chunk(args: IndexerArgs, select) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of token chunks (each under ``SCORES_BYTES``) by ``_scores_kernel``, then
     ``select(scores, n, lo, hi, ids, vals)`` (``n``: the chunk's local counts) fills rows
@@ -369,12 +468,12 @@ def _per_chunk(args: IndexerArgs, select) -> tuple[torch.Tensor, torch.Tensor]:
     for lo, hi in chunks:
         scores = torch.empty((hi - lo, L), dtype=torch.float32, device=q.device)
         n = torch.empty((hi - lo,), dtype=torch.int32, device=q.device)
-        allowed = candidate_mask(args, lo, hi) if args.candidates is not None else n
+        allowed = n if args.candidates is None else candidate_mask(args, lo, hi)
         S = torch.sym_max(1, torch.sym_min(blocks, SCORE_PROGRAMS_PER_SM * sms // (hi - lo)))
         launchable(_scores_kernel, q)[(hi - lo, S)](
             q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
             allowed.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, Hi, S,
-            rank, world, interleave, args.candidate_block, allowed.shape[-1] - 1,
+            rank, world, interleave, args.candidate_block, allowed.shape[-1],
             HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
             ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET,
             # deeper key prefetch once many tokens share the SMs
@@ -398,12 +497,12 @@ def indexer_candidates_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Te
     """``(blocks [T, k] int32, block scores [T, k] fp32)`` of a validated call."""
 
     def select(scores, n, lo, hi, ids, vals):
-        blocks = block_scores(scores, args, lo, hi)
-        every = torch.full((hi - lo,), blocks.shape[1], dtype=torch.int32, device=blocks.device)
-        topk_of_rows(blocks, every, ids, vals, args.k)
+        blocks, visible = block_scores(args, scores, n, lo, hi)
+        topk_of_rows(blocks, visible, ids, vals, args.k)
 
     return _per_chunk(args, select)
 
 
 # the names of this module's kernels, as a profile shows them
-KERNEL_NAMES = tuple(k.fn.__name__ for k in (_scores_kernel, _segment_topk_kernel))
+KERNEL_NAMES = tuple(k.fn.__name__ for k in (_scores_kernel, _segment_topk_kernel, _group_max_kernel,
+                                             _candidate_mask_kernel, _block_max_kernel))
