@@ -18,7 +18,9 @@ import importlib
 import inspect
 import json
 import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -35,10 +37,21 @@ def build(kernel, types: dict, constants: dict, aligned=(), num_warps: int = 4, 
                                                                                  num_stages=num_stages))
 
 
+def full_sass(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of a cubin, every instruction (Triton's ``asm["sass"]`` drops those
+    past the 4096th: its parser takes 4-digit addresses only)."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        listing = subprocess.check_output([knobs.nvidia.cuobjdump.path, "-sass", f.name], text=True)
+    return "\n".join(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s*([^;]*;)", listing))
+
+
 def report(compiled) -> dict:
-    sass = compiled.asm["sass"]
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"^\S+\s+(?:@!?U?P[0-9T] )?([A-Z0-9]+(?:\.[A-Z0-9_]+)*)",
-                                                              sass, re.M))
+    sass = full_sass(compiled.asm["cubin"])
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"^(?:@!?U?P[0-9T] )?([A-Z0-9]+(?:\.[A-Z0-9_]+)*)", sass, re.M))
     return {"shared": compiled.metadata.shared, "spills": len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
             "ops": dict(ops)}
 
