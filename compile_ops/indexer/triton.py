@@ -28,7 +28,7 @@ or on CPU tensors under ``TRITON_INTERPRET=1`` (loops then run to a compile-time
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -314,20 +314,15 @@ def one_chunk(T, L: int) -> bool:
     return statically_known_true(T * 4 * L <= SCORES_BYTES)
 
 
-def topk_warps(seg: int) -> int:
-    """Warps of a top-k program holding ``seg`` entries: 16 at 8K, whose registers 8 warps
-    would spill."""
-    return 16 if seg >= 8192 else 8 if seg >= 2048 else 4
-
-
-def topk_segment(T, L: int, device: torch.device) -> int:
-    """Entries per top-k program for ``T`` rows of ``L`` scores: the most (up to
-    ``TOPK_SEGMENTS[1]``) that still give every SM a program, at least ``TOPK_SEGMENTS[0]``:
-    one program's radix passes take longer than another level's launch. A traced (symbolic)
-    ``T`` counts as one row, since the segment sets compile-time sizes."""
+def topk_segment(T, L: int, sms: int) -> int:
+    """Entries per top-k program for ``T`` rows of ``L`` scores on ``sms`` SMs: the most (up
+    to ``TOPK_SEGMENTS[1]``) that still give every SM a program, at least
+    ``TOPK_SEGMENTS[0]``: one program's radix passes take longer than another level's
+    launch. A traced (symbolic) ``T`` counts as one row, since the segment sets compile-time
+    sizes."""
     rows = T if isinstance(T, int) else 1
     seg = TOPK_SEGMENTS[1]
-    while seg > TOPK_SEGMENTS[0] and rows * triton.cdiv(L, seg) < num_sms(device):
+    while seg > TOPK_SEGMENTS[0] and rows * triton.cdiv(L, seg) < sms:
         seg //= 2
     return seg
 
@@ -351,33 +346,75 @@ def topk_levels(L: int, k: int, segment: int) -> list[tuple[int, int, int]]:
     return levels
 
 
-def _select_levels(src, n, ids, vals, k, segment, source=0, groups=None, n_src=None, sort=True) -> None:
-    """The levels of :func:`topk_levels` over ``src [T, L]`` (``source`` 2: ``L`` entries
-    addressed through ``groups``), ending in ``ids`` / ``vals``."""
-    T, L = (src.shape[0], k * TOPK_GROUP) if source == 2 else src.shape
-    k_pad = triton.next_power_of_2(k)
-    src_vals, src_ids, prev_cover = src, groups if source == 2 else n, -1
-    segment = segment or topk_segment(T, L, src.device)
+class TopkLaunch(NamedTuple):
+    """One ``_segment_topk_kernel`` launch: ``programs`` per row, each selecting from ``seg``
+    entries of its ``source`` (0: the row's scores, 1: the level before's kept entries, 2: a
+    long row's kept groups' entries); ``cover`` scores per program's result, ``k_pad`` slots
+    per result; ``last``: the level that writes the row's result, ``sort``: by score (else
+    in id order)."""
+
+    source: int
+    seg: int
+    programs: int
+    cover: int
+    k_pad: int
+    last: bool
+    sort: bool
+
+    @property
+    def warps(self) -> int:
+        """Warps of a program holding ``seg`` entries: 16 at 8K, whose registers 8 warps
+        would spill."""
+        return 16 if self.seg >= 8192 else 8 if self.seg >= 2048 else 4
+
+
+def _selection(T, L: int, k: int, sms: int, segment: Optional[int], source: int, sort: bool) -> list[TopkLaunch]:
+    """The launches of one selection of ``k`` among rows of ``L`` entries (:func:`topk_levels`);
+    a program gathering its entries through group ids (``source`` 2) holds at most
+    ``TOPK_GATHER_SEGMENT``."""
+    segment = segment or topk_segment(T, L, sms)
     levels = topk_levels(L, k, min(segment, TOPK_GATHER_SEGMENT) if source == 2 else segment)
-    for i, (seg, programs, cover) in enumerate(levels):
-        last = i == len(levels) - 1
-        if last:
-            cand_vals, cand_ids = vals, ids
-        else:
-            cand_vals = torch.empty((T, programs * k_pad), dtype=torch.float32, device=src.device)
-            cand_ids = torch.empty((T, programs * k_pad), dtype=torch.int32, device=src.device)
-        launchable(_segment_topk_kernel, src)[(T, programs)](
-            src_vals, src_ids, n, n if n_src is None else n_src, cand_vals, cand_ids, ids, vals, src_vals.stride(0),
-            src_ids.stride(0) if src_ids.dim() == 2 else 0, cand_vals.stride(0), ids.stride(0), k, prev_cover, cover,
-            SOURCE=source if i == 0 else 1, G=TOPK_GROUP, SEG=seg, K_PAD=k_pad, DIGIT=TOPK_DIGIT, LAST=last,
-            SORTED=sort, num_warps=topk_warps(seg),
-        )
-        src_vals, src_ids, prev_cover = cand_vals, cand_ids, cover
+    k_pad = triton.next_power_of_2(k)
+    return [TopkLaunch(source if i == 0 else 1, seg, programs, cover, k_pad, i == len(levels) - 1, sort)
+            for i, (seg, programs, cover) in enumerate(levels)]
 
 
 def grouped(L: int, k: int) -> bool:
     """Whether the top-k of rows of ``L`` scores goes through their groups' best scores."""
     return L >= TOPK_GROUPED_FROM * triton.next_power_of_2(k) * TOPK_GROUP
+
+
+GROUP_MAX_BLOCK = 256 * TOPK_GROUP  # scores per program of the group maxima
+
+
+def topk_plan(T, L: int, k: int, sms: int, segment: Optional[int] = None) -> list[list[TopkLaunch]]:
+    """The top-k launches of ``T`` rows of ``L`` scores (:func:`topk_of_rows`): one selection,
+    or for a long row (:func:`grouped`) the selection of its best groups (unsorted, in id
+    order) and then of their entries."""
+    if not grouped(L, k):
+        return [_selection(T, L, k, sms, segment, 0, True)]
+    groups = triton.cdiv(L, GROUP_MAX_BLOCK) * GROUP_MAX_BLOCK // TOPK_GROUP
+    return [_selection(T, groups, k, sms, segment, 0, False), _selection(T, k * TOPK_GROUP, k, sms, segment, 2, True)]
+
+
+def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=None) -> None:
+    """``levels`` over ``src [T, L]`` (a first ``source`` 2: entries addressed through
+    ``groups``), ending in ``ids`` / ``vals``."""
+    T = src.shape[0]
+    src_vals, src_ids, prev_cover = src, groups if levels[0].source == 2 else n, -1
+    for level in levels:
+        if level.last:
+            cand_vals, cand_ids = vals, ids
+        else:
+            cand_vals = torch.empty((T, level.programs * level.k_pad), dtype=torch.float32, device=src.device)
+            cand_ids = torch.empty((T, level.programs * level.k_pad), dtype=torch.int32, device=src.device)
+        launchable(_segment_topk_kernel, src)[(T, level.programs)](
+            src_vals, src_ids, n, n if n_src is None else n_src, cand_vals, cand_ids, ids, vals, src_vals.stride(0),
+            src_ids.stride(0) if src_ids.dim() == 2 else 0, cand_vals.stride(0), ids.stride(0), k, prev_cover,
+            level.cover, SOURCE=level.source, G=TOPK_GROUP, SEG=level.seg, K_PAD=level.k_pad, DIGIT=TOPK_DIGIT,
+            LAST=level.last, SORTED=level.sort, num_warps=level.warps,
+        )
+        src_vals, src_ids, prev_cover = cand_vals, cand_ids, level.cover
 
 
 def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, k: int,
@@ -392,17 +429,18 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     levels then select from those ``k * TOPK_GROUP`` entries. ``segment``: the entries a
     program selects from (:func:`topk_segment`)."""
     T, L = scores.shape
-    if not grouped(L, k):
-        _select_levels(scores, n, ids, vals, k, segment)
+    plan = topk_plan(T, L, k, num_sms(scores.device), segment)
+    if len(plan) == 1:
+        _launch(plan[0], scores, n, ids, vals, k)
         return
-    block = 256 * TOPK_GROUP
-    gmax = torch.empty((T, triton.cdiv(L, block) * block // TOPK_GROUP), dtype=torch.float32, device=scores.device)
+    gmax = torch.empty((T, triton.cdiv(L, GROUP_MAX_BLOCK) * GROUP_MAX_BLOCK // TOPK_GROUP), dtype=torch.float32,
+                       device=scores.device)
     n_groups, n_cand = torch.empty((2, T), dtype=torch.int32, device=scores.device)
-    launchable(_group_max_kernel, scores)[(T, triton.cdiv(L, block))](
-        scores, n, gmax, n_groups, n_cand, scores.stride(0), gmax.stride(0), k, G=TOPK_GROUP, BLOCK=block)
+    launchable(_group_max_kernel, scores)[(T, triton.cdiv(L, GROUP_MAX_BLOCK))](
+        scores, n, gmax, n_groups, n_cand, scores.stride(0), gmax.stride(0), k, G=TOPK_GROUP, BLOCK=GROUP_MAX_BLOCK)
     groups = torch.empty((T, k), dtype=torch.int32, device=scores.device)
-    _select_levels(gmax, n_groups, groups, vals, k, segment, sort=False)
-    _select_levels(scores, n_cand, ids, vals, k, segment, source=2, groups=groups, n_src=n)
+    _launch(plan[0], gmax, n_groups, groups, vals, k)
+    _launch(plan[1], scores, n_cand, ids, vals, k, groups=groups, n_src=n)
 
 
 def global_blocks(args: IndexerArgs) -> int:

@@ -1,0 +1,102 @@
+"""The indexer's Triton kernels built for sm_90 on the CPU, as the GPU launches them.
+
+CI has no GPU and the interpreter compiles nothing, so without this test an edit that
+breaks a kernel's Hopper build, makes it spill registers or outgrow shared memory would
+first show up on the device. Every top-k launch that :func:`compile_ops.indexer.triton.topk_plan`
+makes for decode steps and prefill chunks (rows of 512 to 1M entries, V4.1's k = 512 and its
+2048 candidate blocks) is built, with the scores kernel of both index formats and the
+candidate kernels (``tests/scripts/sm90_build.py``, in a process of its own: the tests'
+process runs Triton in its interpreter).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt into on sm_90
+# Spills known today (Triton 3.7.1), the most allowed: a program selecting among 8192 entries
+# for k = 2048 holds more registers per thread than 16 warps have (the candidate source at
+# long context); fewer, larger-register warps spill more.
+KNOWN_SPILLS = {"topk-0-8192-2048-level-sorted": 2, "topk-1-8192-2048-level-ids": 1,
+                "topk-1-8192-2048-last-sorted": 16, "topk-2-8192-2048-level-sorted": 69}
+
+
+def builds() -> dict:
+    """``{name: build}`` for ``tests/scripts/sm90_build.py``: V4.1-Flash's 32 index heads."""
+    from compile_ops.indexer import triton as kernels
+
+    mod = "compile_ops.indexer.triton"
+    scores = dict(kernel=f"{mod}:_scores_kernel", aligned=["s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at"],
+                  types=dict(q="*bf16", w="*fp32", t2r="*i32", n_entries="*i32", cache="*u8", table="*i32",
+                             allowed="*i8", scores="*fp32", n_out="*i32"))
+    topk = dict(kernel=f"{mod}:_segment_topk_kernel", aligned=["s_src", "s_ids", "s_cand", "s_out"],
+                types=dict(src_vals="*fp32", src_ids="*i32", n="*i32", n_src="*i32", cand_vals="*fp32",
+                           cand_ids="*i32", ids="*i32", vals="*fp32"))
+    out = {}
+    for fmt, restrict, stages in (("fp8", False, 2), ("fp8", True, 4), ("bf16", False, 2)):
+        out[f"scores-{fmt}-{'restricted' if restrict else 'all'}"] = dict(
+            scores, types={**scores["types"], "cache": "*u8" if fmt == "fp8" else "*bf16"}, num_stages=stages,
+            constants=dict(HI=32, FP8=fmt == "fp8", RESTRICT=restrict, BN=kernels.BN, ITERS=0, UPCAST=False))
+    launches = {launch._replace(programs=0, cover=0) for T in (1, 64, 256, 4096)
+                for L in (512, 8192, 1 << 15, 1 << 17, 1 << 20) for k in (512, 2048)
+                for stage in kernels.topk_plan(T, L, k, sms=132) for launch in stage}
+    for launch in sorted(launches):
+        name = (f"topk-{launch.source}-{launch.seg}-{launch.k_pad}-{'last' if launch.last else 'level'}-"
+                f"{'sorted' if launch.sort else 'ids'}")
+        out[name] = dict(topk, num_warps=launch.warps,
+                         constants=dict(SOURCE=launch.source, G=kernels.TOPK_GROUP, SEG=launch.seg, K_PAD=launch.k_pad,
+                                        DIGIT=kernels.TOPK_DIGIT, LAST=launch.last, SORTED=launch.sort))
+    out["group-max"] = dict(kernel=f"{mod}:_group_max_kernel", types=dict(
+        scores="*fp32", n="*i32", gmax="*fp32", n_groups="*i32", n_cand="*i32"),
+        constants=dict(G=kernels.TOPK_GROUP, BLOCK=kernels.GROUP_MAX_BLOCK))
+    out["candidate-mask"] = dict(kernel=f"{mod}:_candidate_mask_kernel", types=dict(
+        cand="*i32", t2r="*i32", n_entries="*i32", allowed="*i8"), constants=dict(C_PAD=2048, CHUNK=1024, ITERS=0))
+    out["block-max"] = dict(kernel=f"{mod}:_block_max_kernel", types=dict(
+        scores="*fp32", n="*i32", t2r="*i32", n_entries="*i32", out="*fp32", n_out="*i32"),
+        constants=dict(BB=64, BP=8, ITERS=0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    spec = tmp_path_factory.mktemp("sm90") / "spec.json"
+    spec.write_text(json.dumps(builds()))
+    root = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root.parent), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, str(root / "scripts" / "sm90_build.py"), str(spec)], capture_output=True,
+                         text=True, timeout=1200, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_every_kernel_builds_without_new_spills(reports):
+    """No register spills beyond :data:`KNOWN_SPILLS`, shared memory within an SM's."""
+    for name, r in reports.items():
+        assert r["spills"] <= KNOWN_SPILLS.get(name, 0), f"{name}: {r['spills']} local-memory (spill) instructions"
+        assert r["shared"] <= SM90_SHARED_BYTES, f"{name}: {r['shared']} bytes of shared memory"
+
+
+def test_scores_run_on_the_tensor_cores_with_streamed_keys(reports):
+    """fp8 (or bf16) wgmma products, keys copied by ``cp.async``."""
+    for fmt in ("fp8-all", "fp8-restricted", "bf16-all"):
+        ops = " ".join(reports[f"scores-{fmt}"]["ops"])
+        assert ("QGMMA" if fmt.startswith("fp8") else "HGMMA") in ops and "LDGSTS" in ops, sorted(reports[f"scores-{fmt}"]["ops"])
+
+
+def test_the_build_covers_every_launch_of_the_plan(reports):
+    """The top-k builds are the plan's launches: a decode row of 512 entries is one sorted
+    program; a 1M-entry row goes through its groups."""
+    from compile_ops.indexer import triton as kernels
+
+    assert [[(l.source, l.seg, l.last) for l in s] for s in kernels.topk_plan(1, 512, 512, sms=132)] == [[(0, 512, True)]]
+    grouped = kernels.topk_plan(64, 1 << 20, 512, sms=132)
+    assert len(grouped) == 2 and grouped[1][0].source == 2 and grouped[1][0].seg <= kernels.TOPK_GATHER_SEGMENT
+    assert all(f"topk-{l.source}-{l.seg}-{l.k_pad}-{'last' if l.last else 'level'}-{'sorted' if l.sort else 'ids'}"
+               in reports for s in grouped for l in s)
