@@ -249,7 +249,9 @@ class Indexer(nn.Module):
     keys live in ``index_cache``, a paged index-key cache in ``cache.index_format`` addressed
     by the compressed cache's block table and written at its slots; the ids come from
     ``dsv41::indexer_topk`` over each token's ``n_entries`` closed entries (``-1`` padded),
-    so the cost follows the entries a request has, not the cache's capacity.
+    so the cost follows the entries a request has, not the cache's capacity, in ascending
+    id order (position order, as DeepSeek-V4.1's reference attends them; attention takes
+    any order, so nothing sorts them by score).
     """
 
     def __init__(self, cfg: AttentionConfig, cache: CacheConfig, ratio: int, device=None,
@@ -317,13 +319,14 @@ class Indexer(nn.Module):
         dsv41 = torch.ops.dsv41
         if self.dcp_group is not None:  # this rank's keys; every rank gets the same global ids
             ids = dsv41.dcp_indexer_topk(q, weights, index_cache, table, inp.token_to_req, n, self.topk,
-                                         self.index_format, self.dcp_group, self.interleave, candidates, self.block or 1)
+                                         self.index_format, self.dcp_group, self.interleave, candidates, self.block or 1,
+                                         "id")
             blocks = dsv41.dcp_indexer_candidates(q, weights, index_cache, table, inp.token_to_req, n, self.n_blocks,
                                                   self.block, self.index_format, self.dcp_group,
                                                   self.interleave) if self.n_blocks else None
             return ids, blocks
         ids = dsv41.indexer_topk(q, weights, index_cache, table, inp.token_to_req, n, self.topk, self.index_format,
-                                 candidates, self.block or 1)
+                                 candidates, self.block or 1, "id")
         blocks = dsv41.indexer_candidates(q, weights, index_cache, table, inp.token_to_req, n, self.n_blocks,
                                           self.block, self.index_format) if self.n_blocks else None
         return ids, blocks

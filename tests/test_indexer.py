@@ -89,17 +89,26 @@ def test_reference_float_data_within_rounding(index_format):
 @pytest.mark.parametrize("case", [(5, 8, 3, 6, 16, 20, 1), (3, 32, 2, 40, 64, 100, 3), (2, 3, 1, 3, 4, 16, 0)],
                          ids=["small", "Hi32-k100", "k-past-capacity"])
 def test_interpreter_equals_reference(index_format, case):
-    """The Triton kernels (interpreted) pick exactly the reference's ids on exact data."""
+    """The Triton kernels (interpreted) pick exactly the reference's ids on exact data, in
+    either order (``"id"``: the same ids, ascending)."""
     pytest.importorskip("triton")
+    from compile_ops.indexer.reference import indexer_topk_reference
+    from compile_ops.indexer.triton import indexer_topk_triton
+
     T, Hi, R, B, page_size, k, holes = case
     args = make_problem(index_format, T, Hi, R, B, page_size, seed=T + Hi, holes=holes)
     want = run_reference(*args, k, index_format)
-    with compile_ops.use_backends(indexer="triton"):
-        fmt = ops._check_topk(*args, k, index_format)
-        from compile_ops.indexer.triton import indexer_topk_triton
-
-        got, _ = indexer_topk_triton(ops._args(*args, k, fmt))
+    fmt = ops._check_topk(*args, k, index_format)
+    got, _ = indexer_topk_triton(ops._args(*args, k, fmt))
     assert torch.equal(got, want)
+    by_id = ops._args(*args, k, fmt, order="id")
+    got, got_scores = indexer_topk_triton(by_id)
+    want, want_scores = indexer_topk_reference(by_id)
+    assert torch.equal(got, want) and torch.equal(got_scores, want_scores)
+    by_score = run_reference(*args, k, index_format)
+    for row, picked in zip(got.tolist(), by_score.tolist()):  # the same ids, ascending, then -1
+        kept = [c for c in row if c >= 0]
+        assert kept == sorted(c for c in picked if c >= 0) and row[len(kept):] == [-1] * (k - len(kept))
 
 
 @pytest.mark.parametrize("index_format", FORMATS)
@@ -264,24 +273,29 @@ def test_interpreter_topk_over_many_segments(k, grouped, monkeypatch):
 
 @settings(deadline=None, max_examples=examples(0.3))
 @given(T=st.integers(1, 3), L=st.integers(1, 300), k=st.integers(1, 20), segment=st.sampled_from([16, 64]),
-       group=st.sampled_from([2, 4]), grouped=st.booleans(), spread=st.integers(1, 8), seed=st.integers(0, 2**16))
-def test_interpreter_topk_levels_equal_a_stable_sort(T, L, k, segment, group, grouped, spread, seed):
+       group=st.sampled_from([2, 4]), grouped=st.booleans(), spread=st.integers(1, 8), sort=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_interpreter_topk_levels_equal_a_stable_sort(T, L, k, segment, group, grouped, spread, sort, seed):
     """Any row length, ``k``, segment and group size, groups first or not: the levels' ids
-    and scores are a stable sort's (ties frequent: scores drawn from ``spread`` values)."""
+    and scores are a stable sort's (ties frequent: scores drawn from ``spread`` values);
+    unsorted, the same ids and scores in id order."""
     pytest.importorskip("triton")
     from compile_ops.indexer import triton as kernels
-    from compile_ops.indexer.reference import topk_of_scores
+    from compile_ops.indexer.reference import by_id, topk_of_scores
 
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randint(0, spread, (T, L), generator=gen).float()
     scores[torch.rand(T, L, generator=gen) < 0.2] = float("-inf")
     n = torch.randint(0, L + 1, (T,), generator=gen, dtype=i32)
     want_ids, want_vals = topk_of_scores(torch.where(torch.arange(L) < n.unsqueeze(1), scores, float("-inf")), k)
+    if not sort:
+        want_ids, order = by_id(want_ids)
+        want_vals = want_vals.gather(1, order)
     ids, vals = torch.empty(T, k, dtype=i32), torch.empty(T, k)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "TOPK_GROUP", group)
         patch.setattr(kernels, "TOPK_GROUPED_FROM", 1 if grouped else 1 << 30)
-        kernels.topk_of_rows(scores, n, ids, vals, k, segment=segment)
+        kernels.topk_of_rows(scores, n, ids, vals, k, segment=segment, sort=sort)
     assert torch.equal(ids, want_ids)
     assert torch.equal(vals, want_vals)
 

@@ -56,6 +56,10 @@ def worker(rank, world, store_path, index_format, interleave):
             got = compile_ops.dcp_indexer_topk(q, weights, local_cache, local_table, rows, n, K, index_format,
                                                group, interleave, blocks, CB)
             assert torch.equal(got, want), f"rank {rank} seed {seed} inside candidates:\n{got}\n{want}"
+            want = compile_ops.indexer_topk(q, weights, cache, table, rows, n, K, index_format, order="id")
+            got = compile_ops.dcp_indexer_topk(q, weights, local_cache, local_table, rows, n, K, index_format,
+                                               group, interleave, order="id")
+            assert torch.equal(got, want), f"rank {rank} seed {seed} in id order:\n{got}\n{want}"
     os._exit(0)  # every check passed (helpers.gloo_group says why exit so)
 
 

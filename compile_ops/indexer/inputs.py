@@ -16,6 +16,7 @@ from compile_ops.indexer.cache import IndexFormat, quantize_e4m3
 
 TRITON_MAX_K = 4096  # the Triton top-k sorts a row's k kept entries in one program's registers
 TRITON_MAX_HEADS = 128  # the scores kernel holds a token's [Hi, 128] queries in registers
+ORDERS = ("score", "id")  # the orders indexer_topk gives a token's ids in
 
 
 def triton_args_unsupported(args: "IndexerArgs") -> Optional[str]:
@@ -38,8 +39,9 @@ class IndexerArgs(NamedTuple):
     ``k`` ids per token. :func:`local_counts` and :func:`product_query` state what they
     mean: ``score[t, c] = scale[c] * sum_h w[t, h] * relu(<q[t, h], key[c]>)`` over this
     shard's first ``n[t]`` entries. A backend's ``indexer_topk(args)`` returns ``(ids [T, k]
-    int32, scores [T, k] fp32)``: ids in descending score, ties by the lower id, ``-1``
-    (score ``-inf``) past the valid entries.
+    int32, scores [T, k] fp32)``: ids in descending score, ties by the lower id (``order``
+    ``"score"``), or the same ids in ascending id order (``"id"``); ``-1`` (score ``-inf``)
+    past the valid entries.
 
     Two-level selection (DeepSeek-V4.1's candidate blocks): ``candidates [T, C]`` int32
     global block ids (``-1`` = none) restrict each token to the entries of those blocks of
@@ -62,6 +64,7 @@ class IndexerArgs(NamedTuple):
     candidates: Optional[Tensor] = None
     candidate_block: int = 1
     shard: tuple[int, int, int] = (0, 1, 1)
+    order: str = "score"
 
 
 def local_counts(args: IndexerArgs) -> tuple[Tensor, Tensor]:

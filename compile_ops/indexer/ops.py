@@ -16,8 +16,8 @@ from compile_ops import backends
 from compile_ops._checks import check_dim, check_int, check_tensor
 from compile_ops._groups import group_rank, group_size
 from compile_ops.indexer.cache import INDEX_DIM, check_index_cache
-from compile_ops.indexer.inputs import IndexerArgs, global_ids, triton_args_unsupported
-from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference, topk_of_scores
+from compile_ops.indexer.inputs import ORDERS, IndexerArgs, global_ids, triton_args_unsupported
+from compile_ops.indexer.reference import by_id, indexer_candidates_reference, indexer_topk_reference, topk_of_scores
 
 
 def _check_write(cache, slots, keys, index_format):
@@ -44,7 +44,7 @@ def _(cache, slots, keys, index_format):
 
 
 def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, candidates=None,
-                candidate_block=1):
+                candidate_block=1, order="score"):
     check_tensor("q", q, torch.bfloat16, 3)
     if q.shape[2] != INDEX_DIM:
         raise ValueError(f"q must be [T, Hi, {INDEX_DIM}], got shape {tuple(q.shape)}")
@@ -60,6 +60,8 @@ def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k
         check_dim(name, t, 0, T, "q.shape[0], the token count T")
     check_int("k", k, 1)
     check_int("candidate_block", candidate_block, 1)
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if candidates is not None:
         check_tensor("candidates", candidates, torch.int32, 2, device)
         check_dim("candidates", candidates, 0, T, "q.shape[0], the token count T")
@@ -67,10 +69,10 @@ def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k
 
 
 def _args(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, *, candidates=None,
-          candidate_block=1, shard=(0, 1, 1)) -> IndexerArgs:
+          candidate_block=1, shard=(0, 1, 1), order="score") -> IndexerArgs:
     """The call as backends take it: the op's own tensors, nothing computed (no kernels)."""
     return IndexerArgs(q, weights, index_cache, fmt, block_table, token_to_req, n_entries, int(k), candidates,
-                       candidate_block, shard)
+                       candidate_block, shard, order)
 
 
 def _run(op: str, args: IndexerArgs) -> tuple[Tensor, Tensor]:
@@ -83,19 +85,19 @@ def _run(op: str, args: IndexerArgs) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("dsv41::indexer_topk", mutates_args=())
 def indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
                  n_entries: Tensor, k: int, index_format: str = "fp8", candidates: Optional[Tensor] = None,
-                 candidate_block: int = 1) -> Tensor:
+                 candidate_block: int = 1, order: str = "score") -> Tensor:
     fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
-                      candidates, candidate_block)
+                      candidates, candidate_block, order)
     args = _args(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt,
-                 candidates=candidates, candidate_block=candidate_block)
+                 candidates=candidates, candidate_block=candidate_block, order=order)
     return _run("indexer_topk", args)[0]
 
 
 @indexer_topk.register_fake
 def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format="fp8", candidates=None,
-      candidate_block=1):
+      candidate_block=1, order="score"):
     _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
-                candidates, candidate_block)
+                candidates, candidate_block, order)
     return q.new_empty((q.shape[0], k), dtype=torch.int32)
 
 
@@ -145,22 +147,24 @@ def _dcp_merge(ids: Tensor, scores: Tensor, k: int, group_name: str, world: int,
 @torch.library.custom_op("dsv41::dcp_indexer_topk", mutates_args=())
 def dcp_indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor, token_to_req: Tensor,
                      n_entries: Tensor, k: int, index_format: str, group_name: str, interleave: int,
-                     candidates: Optional[Tensor] = None, candidate_block: int = 1) -> Tensor:
+                     candidates: Optional[Tensor] = None, candidate_block: int = 1, order: str = "score") -> Tensor:
     fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
-                      candidates, candidate_block)
+                      candidates, candidate_block, order)
     world = _check_dcp(group_name, interleave)
     rank = group_rank(group_name)
+    # each rank's candidates by score: the merge takes any order, and the id order after it
     args = _args(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, candidates=candidates,
                  candidate_block=candidate_block, shard=(rank, world, interleave))
     ids, scores = _run("indexer_topk", args)
-    return _dcp_merge(global_ids(ids, rank, world, interleave), scores, k, group_name, world)
+    ids = _dcp_merge(global_ids(ids, rank, world, interleave), scores, k, group_name, world)
+    return by_id(ids)[0] if order == "id" else ids
 
 
 @dcp_indexer_topk.register_fake
 def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, group_name, interleave,
-      candidates=None, candidate_block=1):
+      candidates=None, candidate_block=1, order="score"):
     _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
-                candidates, candidate_block)
+                candidates, candidate_block, order)
     _check_dcp(group_name, interleave)
     return q.new_empty((q.shape[0], k), dtype=torch.int32)
 
@@ -220,8 +224,9 @@ indexer_topk.__doc__ = """The ``k`` compressed entries each token's indexer scor
 ``block_table[r, c // page_size] * page_size + c % page_size``, ``page_size =
 index_cache.shape[1]``: the same number as the ``block_size`` given to ``topk_to_slots``
 and the compressed cache's pages, which this op cannot check). ``ids[t]`` holds the ``k``
-highest in descending score, equal scores by the lower id, then ``-1`` after the first
-``min(k, valid entries)``. Entries whose table entry is ``-1`` or outside the cache are
+highest in descending score, equal scores by the lower id (``order="score"``), or the same
+ids in ascending id order (``order="id"``: the order DeepSeek-V4.1's reference attends
+them in, and no sort), then ``-1`` after the first ``min(k, valid entries)``. Entries whose table entry is ``-1`` or outside the cache are
 skipped (never read); ``n_entries`` above ``L = B * page_size`` counts as ``L``. Rows with
 ``r`` outside ``[0, R)`` or ``n_entries[t] <= 0`` are all ``-1``.
 
@@ -244,6 +249,7 @@ Args:
         candidate_block`` in ``candidates[t]`` (DeepSeek-V4.1's two-level selection: the
         index layers after the candidate source pick inside its candidate blocks).
     candidate_block: entries per candidate block (``>= 1``).
+    order: ``"score"`` (descending score) or ``"id"`` (ascending id).
 
 Returns:
     ``ids [T, k]`` int32 request-local entry ids.
@@ -259,6 +265,9 @@ Example::
     >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
     >>> compile_ops.indexer_topk(q, torch.ones(1, 1), cache, i32(0).view(1, 1), i32(0), i32(4), 3, "bf16").tolist()
     [[1, 3, 2]]
+    >>> compile_ops.indexer_topk(q, torch.ones(1, 1), cache, i32(0).view(1, 1), i32(0), i32(4), 3, "bf16",
+    ...                          order="id").tolist()
+    [[1, 2, 3]]
 """
 
 indexer_candidates.__doc__ = """The ``n_blocks`` best blocks of ``block`` consecutive entries for each token.
@@ -306,8 +315,8 @@ calls it with the same shapes, ``k`` and ``interleave``.
 
 Args:
     q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
-        candidates, candidate_block: as :func:`indexer_topk`, with this rank's cache and
-        table, global ``n_entries`` and global block ids.
+        candidates, candidate_block, order: as :func:`indexer_topk`, with this rank's cache
+        and table, global ``n_entries`` and global block ids.
     group_name: the c10d group's name (``group.group_name``).
     interleave: consecutive ids per rank before the next (``>= 1``).
 

@@ -68,9 +68,21 @@ def _per_chunk(args: IndexerArgs, select) -> tuple[Tensor, Tensor]:
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+def by_id(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``ids [T, k]`` int32 in ascending id order, the ``-1`` ones last, and ``order [T, k]``
+    int64, the columns they came from."""
+    none = torch.iinfo(torch.int32).max
+    ids, order = torch.where(ids >= 0, ids, none).sort(dim=1)
+    return torch.where(ids < none, ids, -1), order
+
+
 def indexer_topk_reference(args: IndexerArgs) -> tuple[Tensor, Tensor]:
     """``(ids [T, k] int32, scores [T, k] fp32)`` of :class:`IndexerArgs`."""
-    return _per_chunk(args, lambda s, lo, hi: topk_of_scores(restrict_to_candidates(s, args, lo, hi), args.k))
+    ids, scores = _per_chunk(args, lambda s, lo, hi: topk_of_scores(restrict_to_candidates(s, args, lo, hi), args.k))
+    if args.order == "id":
+        ids, order = by_id(ids)
+        scores = scores.gather(1, order)
+    return ids, scores
 
 
 def indexer_candidates_reference(args: IndexerArgs) -> tuple[Tensor, Tensor]:

@@ -260,7 +260,7 @@ def _segment_topk_kernel(
     of the row's kept groups (``src_ids [T, K]``: group ids in id order, ``-1`` after; entry
     ``c`` is entry ``c % G`` of group ``c // G``, of the ``n_src[t]`` scores). Where it covers
     the whole row (``n[t] <= COVER``) it stores the row's ``K`` ids / scores: sorted by
-    (score descending, id ascending) if ``SORTED``, else the ids in id order, ``-1`` after.
+    (score descending, id ascending) if ``SORTED``, else in id order; ``-1`` / ``-inf`` after.
     Programs with nothing to do (past the row's entries, or a row an earlier level
     finished: ``n[t] <= PREV_COVER``) return at once."""
     i_t, i_s = tl.program_id(0), tl.program_id(1)
@@ -295,12 +295,14 @@ def _segment_topk_kernel(
         o_k = tl.arange(0, K_PAD)
         if LAST or n_t <= COVER:
             tl.store(ids + i_t * s_out + at, idx, mask=keep)
+            tl.store(vals + i_t * s_out + at, x, mask=keep)
             if SORTED:
-                tl.store(vals + i_t * s_out + at, x, mask=keep)
                 tl.debug_barrier()  # the kept entries are stored before the sort reads them
                 _sort_row(ids + i_t * s_out, vals + i_t * s_out, taken, K, K_PAD)
             else:
-                tl.store(ids + i_t * s_out + o_k, tl.full([K_PAD], -1, tl.int32), mask=(o_k >= taken) & (o_k < K))
+                after = (o_k >= taken) & (o_k < K)
+                tl.store(ids + i_t * s_out + o_k, tl.full([K_PAD], -1, tl.int32), mask=after)
+                tl.store(vals + i_t * s_out + o_k, tl.full([K_PAD], float("-inf"), tl.float32), mask=after)
         else:
             at_cand = i_t.to(tl.int64) * s_cand + i_s * K_PAD
             tl.store(cand_ids + at_cand + at, idx, mask=keep)
@@ -387,14 +389,14 @@ def grouped(L: int, k: int) -> bool:
 GROUP_MAX_BLOCK = 256 * TOPK_GROUP  # scores per program of the group maxima
 
 
-def topk_plan(T, L: int, k: int, sms: int, segment: Optional[int] = None) -> list[list[TopkLaunch]]:
+def topk_plan(T, L: int, k: int, sms: int, segment: Optional[int] = None, sort: bool = True) -> list[list[TopkLaunch]]:
     """The top-k launches of ``T`` rows of ``L`` scores (:func:`topk_of_rows`): one selection,
-    or for a long row (:func:`grouped`) the selection of its best groups (unsorted, in id
-    order) and then of their entries."""
+    or for a long row (:func:`grouped`) the selection of its best groups (in id order) and
+    then of their entries; the last launch sorts by score if ``sort``."""
     if not grouped(L, k):
-        return [_selection(T, L, k, sms, segment, 0, True)]
+        return [_selection(T, L, k, sms, segment, 0, sort)]
     groups = triton.cdiv(L, GROUP_MAX_BLOCK) * GROUP_MAX_BLOCK // TOPK_GROUP
-    return [_selection(T, groups, k, sms, segment, 0, False), _selection(T, k * TOPK_GROUP, k, sms, segment, 2, True)]
+    return [_selection(T, groups, k, sms, segment, 0, False), _selection(T, k * TOPK_GROUP, k, sms, segment, 2, sort)]
 
 
 def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=None) -> None:
@@ -418,9 +420,10 @@ def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=N
 
 
 def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, k: int,
-                 segment: Optional[int] = None) -> None:
+                 segment: Optional[int] = None, sort: bool = True) -> None:
     """The exact top-``k`` of each row's first ``n[t]`` scores (``-inf`` = none) into ``ids`` /
-    ``vals [T, k]``, by (score descending, id ascending): each level of :func:`topk_levels`
+    ``vals [T, k]``, by (score descending, id ascending), or in id order unless ``sort``
+    (the same entries; no sort): each level of :func:`topk_levels`
     splits a row into segments (one program each) and keeps their best ``k``, which contain
     the row's; the level whose one program covers a row's entries sorts and writes its
     result, and later levels skip it. A long row (:func:`grouped`) first takes the best score
@@ -429,7 +432,7 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     levels then select from those ``k * TOPK_GROUP`` entries. ``segment``: the entries a
     program selects from (:func:`topk_segment`)."""
     T, L = scores.shape
-    plan = topk_plan(T, L, k, num_sms(scores.device), segment)
+    plan = topk_plan(T, L, k, num_sms(scores.device), segment, sort)
     if len(plan) == 1:
         _launch(plan[0], scores, n, ids, vals, k)
         return
@@ -526,7 +529,7 @@ def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
     :class:`compile_ops.indexer.inputs.IndexerArgs`)."""
 
     def select(scores, n, lo, hi, ids, vals):
-        topk_of_rows(scores, n, ids, vals, args.k)
+        topk_of_rows(scores, n, ids, vals, args.k, sort=args.order == "score")
 
     return _per_chunk(args, select)
 
