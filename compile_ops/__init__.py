@@ -11,7 +11,9 @@ Importing this package registers the ``torch.ops.dsv41`` custom ops:
 * :func:`write_kv` -- quantizing rows into a paged KV cache.
 * :func:`write_index_keys`, :func:`indexer_topk`, :func:`dcp_indexer_topk` -- the indexer's
   paged fp8 index-key cache and its length-bounded top-k; :func:`indexer_candidates`,
-  :func:`dcp_indexer_candidates` -- DeepSeek-V4.1's candidate blocks (two-level selection).
+  :func:`dcp_indexer_candidates` -- DeepSeek-V4.1's candidate blocks (two-level selection);
+  :func:`indexer_topk_and_candidates`, :func:`dcp_indexer_topk_and_candidates` -- both
+  from one scoring (V4.1's candidate source layer).
 * :func:`fp8_linear` -- a linear of DeepSeek's block-scaled FP8 weights (128 x 128 fp32 or
   32 x 32 ue8m0 scales).
 
@@ -25,7 +27,8 @@ from compile_ops.backends import BackendConfig, backend_for, config, use_backend
 from compile_ops.combine import dcp_combine, lse_combine
 from compile_ops.formats import KV_FORMATS, read_kv
 from compile_ops.kv import write_kv
-from compile_ops.indexer import dcp_indexer_candidates, dcp_indexer_topk, indexer_candidates, indexer_topk, write_index_keys
+from compile_ops.indexer import (dcp_indexer_candidates, dcp_indexer_topk, dcp_indexer_topk_and_candidates,
+                                 indexer_candidates, indexer_topk, indexer_topk_and_candidates, write_index_keys)
 from compile_ops.linear import fp8_linear
 from compile_ops.slots import dcp_topk_to_slots, swa_indices, topk_to_slots
 from compile_ops.mla import sparse_mla, sparse_mla_out, sparse_mla_workspace
@@ -34,8 +37,9 @@ __version__ = "0.1.0"
 
 # a torch.library custom op is called through CustomOpDef.__call__(*args, **kwargs): give
 # inspect.signature, help() and editors the op's own signature
-for _op in (dcp_combine, dcp_indexer_candidates, dcp_indexer_topk, dcp_topk_to_slots, fp8_linear, indexer_candidates,
-            indexer_topk, lse_combine, sparse_mla, sparse_mla_out, swa_indices, topk_to_slots, write_index_keys, write_kv):
+for _op in (dcp_combine, dcp_indexer_candidates, dcp_indexer_topk, dcp_indexer_topk_and_candidates, dcp_topk_to_slots,
+            fp8_linear, indexer_candidates, indexer_topk, indexer_topk_and_candidates, lse_combine, sparse_mla,
+            sparse_mla_out, swa_indices, topk_to_slots, write_index_keys, write_kv):
     _op.__signature__ = inspect.signature(_op._init_fn)
 del _op
 
@@ -48,10 +52,12 @@ __all__ = [
     "dcp_combine",
     "dcp_indexer_candidates",
     "dcp_indexer_topk",
+    "dcp_indexer_topk_and_candidates",
     "dcp_topk_to_slots",
     "fp8_linear",
     "indexer_candidates",
     "indexer_topk",
+    "indexer_topk_and_candidates",
     "lse_combine",
     "read_kv",
     "sparse_mla",

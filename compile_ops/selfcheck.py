@@ -324,12 +324,13 @@ def check_indexer_topk(index_format: str, gen: torch.Generator, device) -> Row:
                f"T={T} Hi={Hi} k={p['k']} n<=80", error, 0.0)
 
 
-def check_indexer_candidates(index_format: str, gen: torch.Generator, device) -> Row:
-    """``indexer_candidates`` and ``indexer_topk`` inside its blocks on integer-valued data
-    against float64 block maxima; the error is the number of tokens whose blocks or ids differ."""
+def check_indexer_candidates(index_format: str, gen: torch.Generator, device) -> list[Row]:
+    """``indexer_candidates`` and ``indexer_topk`` inside its blocks, and
+    ``indexer_topk_and_candidates``, on integer-valued data against float64 block maxima and
+    scores; the error is the number of tokens whose blocks or ids differ."""
     from compile_ops.indexer.cache import new_index_cache
 
-    p, _ = _indexer_problem(index_format, gen)
+    p, want = _indexer_problem(index_format, gen)
     cache = new_index_cache(index_format, p["keys"].shape[0] // p["page"], p["page"], device=device)
     compile_ops.write_index_keys(cache, torch.arange(p["keys"].shape[0], device=device), p["keys"].to(device),
                                  index_format)
@@ -338,8 +339,11 @@ def check_indexer_candidates(index_format: str, gen: torch.Generator, device) ->
     blocks = compile_ops.indexer_candidates(*call, p["nb"], p["block"], index_format)
     inside = compile_ops.indexer_topk(*call, p["k"], index_format, blocks, p["block"]).cpu()
     error = float(((blocks.cpu() != p["blocks"]).any(1) | (inside != p["inside"]).any(1)).sum())
-    return Row(f"indexer_candidates[{index_format}]", compile_ops.backend_for("indexer", device),
-               f"T={p['q'].shape[0]} blocks={p['nb']}x{p['block']} k={p['k']}", error, 0.0)
+    ids, both = compile_ops.indexer_topk_and_candidates(*call, p["k"], p["nb"], p["block"], index_format)
+    both_error = float(((ids.cpu() != want).any(1) | (both.cpu() != p["blocks"]).any(1)).sum())
+    backend, shapes = compile_ops.backend_for("indexer", device), f"T={p['q'].shape[0]} blocks={p['nb']}x{p['block']} k={p['k']}"
+    return [Row(f"indexer_candidates[{index_format}]", backend, shapes, error, 0.0),
+            Row(f"indexer_topk_and_candidates[{index_format}]", backend, shapes, both_error, 0.0)]
 
 
 def _dcp_indexer_worker(rank: int, world: int, store: str, result_dir: str) -> None:
@@ -371,7 +375,10 @@ def _dcp_indexer_worker(rank: int, world: int, store: str, result_dir: str) -> N
     got = compile_ops.dcp_indexer_topk(*call, p["k"], "fp8", group, interleave)
     blocks = compile_ops.dcp_indexer_candidates(*call, p["nb"], p["block"], "fp8", group, interleave)
     inside = compile_ops.dcp_indexer_topk(*call, p["k"], "fp8", group, interleave, blocks, p["block"])
-    errors = [(got != want).any(1), (blocks != p["blocks"]).any(1) | (inside != p["inside"]).any(1)]
+    ids, both = compile_ops.dcp_indexer_topk_and_candidates(*call, p["k"], p["nb"], p["block"], "fp8", group,
+                                                            interleave)
+    errors = [(got != want).any(1), (blocks != p["blocks"]).any(1) | (inside != p["inside"]).any(1),
+              (ids != want).any(1) | (both != p["blocks"]).any(1)]
     with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
         f.write(" ".join(repr(float(e.sum())) for e in errors))
     dist.barrier()
@@ -385,9 +392,10 @@ def check_dcp_indexer_topk(world: int = 2) -> list[Row]:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_dcp_indexer_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world)
         errors = [[float(e) for e in open(os.path.join(tmp, f"rank{r}")).read().split()] for r in range(world)]
-    topk, candidates = (max(e[i] for e in errors) for i in range(2))
+    topk, candidates, both = (max(e[i] for e in errors) for i in range(3))
     return [Row("dcp_indexer_topk[fp8]", "gloo", f"world={world} I=2 T=6 k=24", topk, 0.0),
-            Row("dcp_indexer_candidates[fp8]", "gloo", f"world={world} I=2 T=6 blocks=3x8", candidates, 0.0)]
+            Row("dcp_indexer_candidates[fp8]", "gloo", f"world={world} I=2 T=6 blocks=3x8", candidates, 0.0),
+            Row("dcp_indexer_topk_and_candidates[fp8]", "gloo", f"world={world} I=2 T=6 k=24 blocks=3x8", both, 0.0)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [check_sparse_mla("fp8_dsv41", gen, device, into_buffers=True)]
         rows += check_writes(gen, device)
         rows += [check_indexer_topk(f, gen, device) for f in ("bf16", "fp8")]
-        rows += [check_indexer_candidates(f, gen, device) for f in ("bf16", "fp8")]
+        rows += [row for f in ("bf16", "fp8") for row in check_indexer_candidates(f, gen, device)]
         rows += [check_fp8_linear(block, M, gen, device) for block in (128, 32) for M in (5, 20)]
         rows += check_slots(gen, device)
         rows.append(check_lse_combine(gen, device))

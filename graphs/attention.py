@@ -315,21 +315,15 @@ class Indexer(nn.Module):
             q = q @ self.rotation
         q = q.contiguous()
         weights = head_weights.float() * (self.head_dim * self.n_heads) ** -0.5
-        table, n = inp.cmp_block_table, rows.n_entries
+        call = (q, weights, index_cache, inp.cmp_block_table, inp.token_to_req, rows.n_entries, self.topk)
         dsv41 = torch.ops.dsv41
-        if self.dcp_group is not None:  # this rank's keys; every rank gets the same global ids
-            ids = dsv41.dcp_indexer_topk(q, weights, index_cache, table, inp.token_to_req, n, self.topk,
-                                         self.index_format, self.dcp_group, self.interleave, candidates, self.block or 1,
-                                         "id")
-            blocks = dsv41.dcp_indexer_candidates(q, weights, index_cache, table, inp.token_to_req, n, self.n_blocks,
-                                                  self.block, self.index_format, self.dcp_group,
-                                                  self.interleave) if self.n_blocks else None
-            return ids, blocks
-        ids = dsv41.indexer_topk(q, weights, index_cache, table, inp.token_to_req, n, self.topk, self.index_format,
-                                 candidates, self.block or 1, "id")
-        blocks = dsv41.indexer_candidates(q, weights, index_cache, table, inp.token_to_req, n, self.n_blocks,
-                                          self.block, self.index_format) if self.n_blocks else None
-        return ids, blocks
+        # under DCP: this rank's keys, every rank gets the same global ids
+        dcp = () if self.dcp_group is None else (self.dcp_group, self.interleave)
+        if self.n_blocks:  # the candidate source: its top-k and the blocks from one scoring
+            topk_and_blocks = dsv41.dcp_indexer_topk_and_candidates if dcp else dsv41.indexer_topk_and_candidates
+            return topk_and_blocks(*call, self.n_blocks, self.block, self.index_format, *dcp, order="id")
+        topk = dsv41.dcp_indexer_topk if dcp else dsv41.indexer_topk
+        return topk(*call, self.index_format, *dcp, candidates, self.block or 1, order="id"), None
 
 
 def _unshare_stacked(layer: "DSV41Attention", state_dict, prefix: str, local_metadata) -> None:

@@ -380,3 +380,41 @@ def test_candidates_opcheck_and_bad_input():
         compile_ops.indexer_candidates(*args, 3, 0, "fp8")
     with pytest.raises(ValueError, match="candidates"):
         compile_ops.indexer_topk(*args, 5, "fp8", torch.zeros(2, 1, dtype=i32), 2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("index_format", FORMATS)
+@pytest.mark.parametrize("order", ["score", "id"])
+@pytest.mark.parametrize("shard", [(0, 1, 1), (1, 2, 1), (0, 3, 2)], ids=["one-rank", "rank1-of-2", "rank0-of-3-I2"])
+def test_topk_and_candidates_equal_the_two_ops(backend, index_format, order, shard):
+    """One scoring, both results: the ids equal ``indexer_topk``'s and the blocks
+    ``indexer_candidates``' (a DCP rank's call included), each with its scores."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from compile_ops.indexer import reference
+    from compile_ops.indexer import triton as kernels
+
+    impl = {"reference": reference, "triton": kernels}[backend]
+    suffix = "_reference" if backend == "reference" else "_triton"
+    args = make_problem(index_format, 6, 3, 2, 3, 4, seed=shard[0] + 5 * shard[1], holes=1)
+    fmt = ops._check_topk(*args, 5, index_format)
+    both = getattr(impl, "indexer_topk_and_candidates" + suffix)(
+        ops._args(*args, 5, fmt, candidate_block=3, shard=shard, order=order, n_blocks=4))
+    ids = getattr(impl, "indexer_topk" + suffix)(ops._args(*args, 5, fmt, candidate_block=3, shard=shard, order=order))
+    blocks = getattr(impl, "indexer_candidates" + suffix)(ops._args(*args, 4, fmt, candidate_block=3, shard=shard))
+    for got, want in zip(both, (ids, blocks)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_topk_and_candidates_op_opcheck_and_bad_input():
+    args = make_problem("fp8", 3, 4, 2, 2, 4, seed=2, holes=1)
+    for extra in ((5, 3, 2, "fp8"), (5, 3, 2, "fp8", "id")):
+        result = torch.library.opcheck(torch.ops.dsv41.indexer_topk_and_candidates.default, (*args, *extra))
+        assert all(v == "SUCCESS" for v in result.values()), result
+    ids, blocks = compile_ops.indexer_topk_and_candidates(*args, 5, 3, 2, "fp8")
+    assert torch.equal(ids, compile_ops.indexer_topk(*args, 5, "fp8"))
+    assert torch.equal(blocks, compile_ops.indexer_candidates(*args, 3, 2, "fp8"))
+    with pytest.raises(ValueError, match="n_blocks"):
+        compile_ops.indexer_topk_and_candidates(*args, 5, 0, 2, "fp8")
+    with pytest.raises(ValueError, match="order"):
+        compile_ops.indexer_topk_and_candidates(*args, 5, 3, 2, "fp8", "position")

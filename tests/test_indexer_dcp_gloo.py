@@ -1,6 +1,7 @@
-"""``dcp_indexer_topk`` and ``dcp_indexer_candidates`` over 2 and 4 gloo processes equal
-``indexer_topk`` / ``indexer_candidates`` at DCP=1, id for id: each rank holds its interleaved
-share of the index keys in its own pages (candidate blocks span the ranks' entries)."""
+"""``dcp_indexer_topk``, ``dcp_indexer_candidates`` and ``dcp_indexer_topk_and_candidates``
+over 2 and 4 gloo processes equal ``indexer_topk`` / ``indexer_candidates`` at DCP=1, id for
+id: each rank holds its interleaved share of the index keys in its own pages (candidate
+blocks span the ranks' entries)."""
 
 import os
 
@@ -60,6 +61,9 @@ def worker(rank, world, store_path, index_format, interleave):
             got = compile_ops.dcp_indexer_topk(q, weights, local_cache, local_table, rows, n, K, index_format,
                                                group, interleave, order="id")
             assert torch.equal(got, want), f"rank {rank} seed {seed} in id order:\n{got}\n{want}"
+            got_ids, got_blocks = compile_ops.dcp_indexer_topk_and_candidates(
+                q, weights, local_cache, local_table, rows, n, K, NB, CB, index_format, group, interleave, order="id")
+            assert torch.equal(got_ids, want) and torch.equal(got_blocks, blocks), f"rank {rank} seed {seed} both"
     os._exit(0)  # every check passed (helpers.gloo_group says why exit so)
 
 

@@ -21,8 +21,8 @@ ORDERS = ("score", "id")  # the orders indexer_topk gives a token's ids in
 
 def triton_args_unsupported(args: "IndexerArgs") -> Optional[str]:
     """The ``triton`` backend's limits: ``None`` when its kernels take this call, else why not."""
-    if args.k > TRITON_MAX_K:
-        return f"the Triton indexer takes k <= {TRITON_MAX_K}, got k = {args.k}"
+    if max(args.k, args.n_blocks) > TRITON_MAX_K:
+        return f"the Triton indexer takes k, n_blocks <= {TRITON_MAX_K}, got k = {args.k}, n_blocks = {args.n_blocks}"
     if args.q.shape[1] > TRITON_MAX_HEADS:
         return f"the Triton indexer takes at most {TRITON_MAX_HEADS} heads, got {args.q.shape[1]}"
     return None
@@ -48,7 +48,9 @@ class IndexerArgs(NamedTuple):
     ``candidate_block`` consecutive global ids (``None``: no restriction); a backend's
     ``indexer_candidates(args)`` instead returns the ``k`` best such blocks ``(blocks [T,
     k] int32, block scores [T, k])``, a block scoring the max of its entries and block
-    :func:`pinned_blocks` ``[t]`` scoring ``+inf``. ``shard = (rank, world, interleave)``:
+    :func:`pinned_blocks` ``[t]`` scoring ``+inf``; ``indexer_topk_and_candidates(args)``
+    returns both from one scoring, ``((ids, scores) [T, k], (blocks, block scores) [T,
+    n_blocks])``. ``shard = (rank, world, interleave)``:
     the cache holds DCP rank ``rank``'s entries (:func:`global_ids`), so blocks are of
     global ids.
     """
@@ -65,6 +67,7 @@ class IndexerArgs(NamedTuple):
     candidate_block: int = 1
     shard: tuple[int, int, int] = (0, 1, 1)
     order: str = "score"
+    n_blocks: int = 0
 
 
 def local_counts(args: IndexerArgs) -> tuple[Tensor, Tensor]:

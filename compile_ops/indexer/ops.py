@@ -17,7 +17,8 @@ from compile_ops._checks import check_dim, check_int, check_tensor
 from compile_ops._groups import group_rank, group_size
 from compile_ops.indexer.cache import INDEX_DIM, check_index_cache
 from compile_ops.indexer.inputs import ORDERS, IndexerArgs, global_ids, triton_args_unsupported
-from compile_ops.indexer.reference import by_id, indexer_candidates_reference, indexer_topk_reference, topk_of_scores
+from compile_ops.indexer.reference import (by_id, indexer_candidates_reference, indexer_topk_and_candidates_reference,
+                                          indexer_topk_reference, topk_of_scores)
 
 
 def _check_write(cache, slots, keys, index_format):
@@ -69,16 +70,23 @@ def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k
 
 
 def _args(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, *, candidates=None,
-          candidate_block=1, shard=(0, 1, 1), order="score") -> IndexerArgs:
+          candidate_block=1, shard=(0, 1, 1), order="score", n_blocks=0) -> IndexerArgs:
     """The call as backends take it: the op's own tensors, nothing computed (no kernels)."""
     return IndexerArgs(q, weights, index_cache, fmt, block_table, token_to_req, n_entries, int(k), candidates,
-                       candidate_block, shard, order)
+                       candidate_block, shard, order, int(n_blocks))
 
 
-def _run(op: str, args: IndexerArgs) -> tuple[Tensor, Tensor]:
-    T, k = args.q.shape[0], args.k
-    if T == 0 or args.block_table.shape[0] * args.block_table.shape[1] * args.cache.shape[1] == 0:
-        return args.q.new_full((T, k), -1, dtype=torch.int32), args.q.new_full((T, k), float("-inf"), dtype=torch.float32)
+def _none(args: IndexerArgs, width: int) -> tuple[Tensor, Tensor]:
+    T = args.q.shape[0]
+    return (args.q.new_full((T, width), -1, dtype=torch.int32),
+            args.q.new_full((T, width), float("-inf"), dtype=torch.float32))
+
+
+def _run(op: str, args: IndexerArgs):
+    """The backend's ``op(args)``; all ``-1`` (``-inf``) when no token has an entry to score."""
+    if args.q.shape[0] == 0 or args.block_table.shape[0] * args.block_table.shape[1] * args.cache.shape[1] == 0:
+        return (_none(args, args.k), _none(args, args.n_blocks)) if op == "indexer_topk_and_candidates" else \
+            _none(args, args.k)
     return backends.implementation("indexer", op, args.q.device, None, args)(args)
 
 
@@ -116,6 +124,28 @@ def _(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, b
     _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, index_format,
                 candidate_block=block)
     return q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
+
+
+@torch.library.custom_op("dsv41::indexer_topk_and_candidates", mutates_args=())
+def indexer_topk_and_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor,
+                                token_to_req: Tensor, n_entries: Tensor, k: int, n_blocks: int, block: int,
+                                index_format: str = "fp8", order: str = "score") -> tuple[Tensor, Tensor]:
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
+                      candidate_block=block, order=order)
+    check_int("n_blocks", n_blocks, 1)
+    args = _args(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, candidate_block=block,
+                 order=order, n_blocks=n_blocks)
+    (ids, _), (blocks, _) = _run("indexer_topk_and_candidates", args)
+    return ids, blocks
+
+
+@indexer_topk_and_candidates.register_fake
+def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, n_blocks, block, index_format="fp8",
+      order="score"):
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
+                candidate_block=block, order=order)
+    check_int("n_blocks", n_blocks, 1)
+    return q.new_empty((q.shape[0], k), dtype=torch.int32), q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
 
 
 def _check_dcp(group_name, interleave):
@@ -192,13 +222,41 @@ def _(q, weights, index_cache, block_table, token_to_req, n_entries, n_blocks, b
     return q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
 
 
+@torch.library.custom_op("dsv41::dcp_indexer_topk_and_candidates", mutates_args=())
+def dcp_indexer_topk_and_candidates(q: Tensor, weights: Tensor, index_cache: Tensor, block_table: Tensor,
+                                    token_to_req: Tensor, n_entries: Tensor, k: int, n_blocks: int, block: int,
+                                    index_format: str, group_name: str, interleave: int,
+                                    order: str = "score") -> tuple[Tensor, Tensor]:
+    fmt = _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
+                      candidate_block=block, order=order)
+    check_int("n_blocks", n_blocks, 1)
+    world = _check_dcp(group_name, interleave)
+    rank = group_rank(group_name)
+    args = _args(q, weights, index_cache, block_table, token_to_req, n_entries, k, fmt, candidate_block=block,
+                 shard=(rank, world, interleave), n_blocks=n_blocks)  # by score: the merge orders them
+    (ids, scores), (blocks, block_scores) = _run("indexer_topk_and_candidates", args)
+    ids = _dcp_merge(global_ids(ids, rank, world, interleave), scores, k, group_name, world)
+    blocks = _dcp_merge(blocks, block_scores, n_blocks, group_name, world, distinct=True)
+    return by_id(ids)[0] if order == "id" else ids, blocks
+
+
+@dcp_indexer_topk_and_candidates.register_fake
+def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, n_blocks, block, index_format, group_name,
+      interleave, order="score"):
+    _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format,
+                candidate_block=block, order=order)
+    check_int("n_blocks", n_blocks, 1)
+    _check_dcp(group_name, interleave)
+    return q.new_empty((q.shape[0], k), dtype=torch.int32), q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
+
+
 backends.register_backend("indexer", "triton", backends.cuda_with_triton,
-                          {"indexer_topk": backends.imported("compile_ops.indexer.triton", "indexer_topk_triton"),
-                           "indexer_candidates": backends.imported("compile_ops.indexer.triton",
-                                                                   "indexer_candidates_triton")},
+                          {op: backends.imported("compile_ops.indexer.triton", f"{op}_triton")
+                           for op in ("indexer_topk", "indexer_candidates", "indexer_topk_and_candidates")},
                           limits=triton_args_unsupported)
 backends.register_backend("indexer", "reference", backends.any_device,
-                          {"indexer_topk": indexer_topk_reference, "indexer_candidates": indexer_candidates_reference})
+                          {"indexer_topk": indexer_topk_reference, "indexer_candidates": indexer_candidates_reference,
+                           "indexer_topk_and_candidates": indexer_topk_and_candidates_reference})
 
 write_index_keys.__doc__ = """Quantize ``keys [N, 128]`` and write row ``i`` to slot ``slots[i]`` of an index-key cache.
 
@@ -331,4 +389,41 @@ As :func:`dcp_indexer_topk`: each rank scores its own entries, takes the best
 are all-gathered and merged (a block whose entries several ranks hold counts once, at its
 highest max), so every rank returns the same global block ids, equal to
 :func:`indexer_candidates` over the unsharded cache. A collective.
+"""
+
+indexer_topk_and_candidates.__doc__ = """:func:`indexer_topk` and :func:`indexer_candidates` of one call, from one scoring.
+
+DeepSeek-V4.1's candidate source layer takes its own top-k (unrestricted) and the candidate
+blocks of the index layers after it from the same scores: this op scores each token's
+entries once and returns both, each exactly what the two ops return (``ids`` in ``order``,
+``blocks`` in descending block score), so the layer reads its index keys once.
+
+Args:
+    q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, order:
+        as :func:`indexer_topk` (no ``candidates``).
+    n_blocks, block: as :func:`indexer_candidates`.
+
+Returns:
+    ``(ids [T, k], blocks [T, n_blocks])`` int32.
+
+Example::
+
+    >>> import torch, compile_ops
+    >>> from compile_ops.indexer.cache import new_index_cache
+    >>> cache = new_index_cache("bf16", num_pages=1, page_size=8)
+    >>> keys = torch.zeros(8, 128); keys[:, 0] = torch.tensor([5.0, 0, 1, 1, 0, 2, 0, 0])
+    >>> compile_ops.write_index_keys(cache, torch.arange(8), keys, "bf16")
+    >>> q = torch.zeros(1, 1, 128, dtype=torch.bfloat16); q[..., 0] = 1
+    >>> i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+    >>> ids, blocks = compile_ops.indexer_topk_and_candidates(q, torch.ones(1, 1), cache, i32(0).view(1, 1), i32(0),
+    ...                                                       i32(7), 3, 2, 2, "bf16")
+    >>> ids.tolist(), blocks.tolist()
+    ([[0, 5, 2]], [[3, 0]])
+"""
+
+dcp_indexer_topk_and_candidates.__doc__ = """:func:`indexer_topk_and_candidates` over a DCP group whose entries are sharded by ``interleave``.
+
+Each rank scores its own entries once; the ids merge as :func:`dcp_indexer_topk`'s and the
+blocks as :func:`dcp_indexer_candidates`', so every rank returns the same ``(ids, blocks)``,
+equal to :func:`indexer_topk_and_candidates` over the unsharded cache. A collective.
 """

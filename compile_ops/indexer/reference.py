@@ -56,16 +56,15 @@ def topk_of_scores(scores: Tensor, k: int, ids: Tensor | None = None) -> tuple[T
     return torch.where(values > float("-inf"), picked, -1).to(torch.int32), values
 
 
-def _per_chunk(args: IndexerArgs, select) -> tuple[Tensor, Tensor]:
-    """``select(scores, lo, hi) -> (ids, values)`` over token chunks of bounded scores, joined."""
+def _per_chunk(args: IndexerArgs, select) -> tuple[Tensor, ...]:
+    """``select(scores, lo, hi) -> (tensor, ...)`` over token chunks of bounded scores,
+    each output joined over the chunks."""
     T = args.q.shape[0]
     L = args.block_table.shape[1] * args.cache.shape[1]
     chunk = max(1, SCORE_CHUNK // max(1, L))
-    parts = [select(scores_reference(args, lo, min(T, lo + chunk)), lo, min(T, lo + chunk)) for lo in range(0, T, chunk)]
-    if not parts:
-        empty = args.q.new_empty((0, args.k))
-        return empty.to(torch.int32), empty.float()
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    chunks = [(lo, min(T, lo + chunk)) for lo in range(0, T, chunk)] or [(0, 0)]
+    parts = [select(scores_reference(args, lo, hi), lo, hi) for lo, hi in chunks]
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
 
 
 def by_id(ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,15 +75,28 @@ def by_id(ids: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(ids < none, ids, -1), order
 
 
-def indexer_topk_reference(args: IndexerArgs) -> tuple[Tensor, Tensor]:
-    """``(ids [T, k] int32, scores [T, k] fp32)`` of :class:`IndexerArgs`."""
-    ids, scores = _per_chunk(args, lambda s, lo, hi: topk_of_scores(restrict_to_candidates(s, args, lo, hi), args.k))
+def _ordered(args: IndexerArgs, ids: Tensor, scores: Tensor) -> tuple[Tensor, Tensor]:
+    """``(ids, scores)`` of a top-k by score, in ``args.order``."""
     if args.order == "id":
         ids, order = by_id(ids)
         scores = scores.gather(1, order)
     return ids, scores
 
 
+def indexer_topk_reference(args: IndexerArgs) -> tuple[Tensor, Tensor]:
+    """``(ids [T, k] int32, scores [T, k] fp32)`` of :class:`IndexerArgs`."""
+    return _ordered(args, *_per_chunk(args, lambda s, lo, hi: topk_of_scores(restrict_to_candidates(s, args, lo, hi),
+                                                                             args.k)))
+
+
 def indexer_candidates_reference(args: IndexerArgs) -> tuple[Tensor, Tensor]:
     """``(blocks [T, k] int32, block scores [T, k] fp32)`` of :class:`IndexerArgs`."""
     return _per_chunk(args, lambda s, lo, hi: topk_of_scores(block_scores(s, args, lo, hi), args.k))
+
+
+def indexer_topk_and_candidates_reference(args: IndexerArgs) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """``((ids, scores) [T, k], (blocks, block scores) [T, n_blocks])`` of :class:`IndexerArgs`
+    (no ``candidates``), from one scoring."""
+    ids, scores, blocks, block_values = _per_chunk(args, lambda s, lo, hi: (
+        *topk_of_scores(s, args.k), *topk_of_scores(block_scores(s, args, lo, hi), args.n_blocks)))
+    return _ordered(args, ids, scores), (blocks, block_values)

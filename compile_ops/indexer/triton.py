@@ -487,17 +487,18 @@ def block_scores(args: IndexerArgs, scores: torch.Tensor, n: torch.Tensor, lo: i
     return blocks, visible
 
 
-def _per_chunk(args: IndexerArgs, select) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Scores of token chunks (each under ``SCORES_BYTES``) by ``_scores_kernel``, then
-    ``select(scores, n, lo, hi, ids, vals)`` (``n``: the chunk's local counts) fills rows
-    ``lo:hi`` of ``(ids, vals [T, k])``; only shapes steer the launches."""
+    ``select(scores, n, lo, hi, outs)`` (``n``: the chunk's local counts) fills rows
+    ``lo:hi`` of each ``(ids [T, width] int32, vals [T, width] fp32)`` output pair, one per
+    ``widths``; only shapes steer the launches."""
     q, w, cache, table = args.q.contiguous(), args.weights.contiguous(), args.cache, args.block_table
     T, Hi = q.shape[:2]
     R, page_size = table.shape[0], cache.shape[1]
     L = table.shape[1] * page_size
     rank, world, interleave = args.shard
-    ids = torch.empty((T, args.k), dtype=torch.int32, device=q.device)
-    vals = torch.empty((T, args.k), dtype=torch.float32, device=q.device)
+    outs = [(torch.empty((T, width), dtype=torch.int32, device=q.device),
+             torch.empty((T, width), dtype=torch.float32, device=q.device)) for width in widths]
     HI = max(16, triton.next_power_of_2(Hi))
     sms = num_sms(q.device)
     blocks = triton.cdiv(L, BN)
@@ -520,28 +521,41 @@ def _per_chunk(args: IndexerArgs, select) -> tuple[torch.Tensor, torch.Tensor]:
             # deeper key prefetch once many tokens share the SMs
             num_stages=4 if statically_known_true(hi - lo >= 32) else 2,
         )
-        select(scores, n, lo, hi, ids[lo:hi], vals[lo:hi])
-    return ids, vals
+        select(scores, n, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs])
+    return outs
+
+
+def _select_ids(args: IndexerArgs, scores, n, out) -> None:
+    topk_of_rows(scores, n, *out, args.k, sort=args.order == "score")
+
+
+def _select_blocks(args: IndexerArgs, scores, n, lo, hi, out, width: int) -> None:
+    blocks, visible = block_scores(args, scores, n, lo, hi)
+    topk_of_rows(blocks, visible, *out, width)
 
 
 def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids [T, k] int32, scores [T, k] fp32)`` of a validated call (see
     :class:`compile_ops.indexer.inputs.IndexerArgs`)."""
-
-    def select(scores, n, lo, hi, ids, vals):
-        topk_of_rows(scores, n, ids, vals, args.k, sort=args.order == "score")
-
-    return _per_chunk(args, select)
+    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs: _select_ids(args, scores, n, outs[0]))[0]
 
 
 def indexer_candidates_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks [T, k] int32, block scores [T, k] fp32)`` of a validated call."""
+    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs: _select_blocks(
+        args, scores, n, lo, hi, outs[0], args.k))[0]
 
-    def select(scores, n, lo, hi, ids, vals):
-        blocks, visible = block_scores(args, scores, n, lo, hi)
-        topk_of_rows(blocks, visible, ids, vals, args.k)
 
-    return _per_chunk(args, select)
+def indexer_topk_and_candidates_triton(args: IndexerArgs):
+    """``((ids, scores) [T, k], (blocks, block scores) [T, n_blocks])`` of a validated call,
+    the two top-k over one scores buffer."""
+
+    def select(scores, n, lo, hi, outs):
+        _select_ids(args, scores, n, outs[0])
+        _select_blocks(args, scores, n, lo, hi, outs[1], args.n_blocks)
+
+    ids, blocks = _per_chunk(args, (args.k, args.n_blocks), select)
+    return ids, blocks
 
 
 # the names of this module's kernels, as a profile shows them
