@@ -19,8 +19,13 @@ capacity.
   next digit among the keys that share the prefix so far) and keeps every entry above it
   and the lowest-id ones equal to it, in id order. The kept entries of a row's segments
   are selected from again the same way until one program covers the row; that program
-  sorts its ``k`` by (score descending, id ascending) with ``tl.sort``. A row of at most
-  ``TOPK_SEGMENTS[1]`` scores can be one launch of one program per row.
+  sorts its ``k`` by (score descending, id ascending) with ``tl.sort``, or keeps them in
+  id order (``order="id"``: no sort). A row of at most ``TOPK_SEGMENTS[1]`` scores can be
+  one launch of one program per row. :func:`topk_plan` states the launches.
+* DeepSeek-V4.1's candidate blocks: ``_block_max_kernel`` takes each visible block's best
+  score from the scores buffer (then the same top-k over the blocks), and for a top-k
+  restricted to candidates ``_candidate_mask_kernel`` marks each token's blocks for the
+  scores kernel; both work over a token's visible blocks only.
 
 Tokens go in chunks whose scores buffer stays under ``SCORES_BYTES``. Runs on CUDA tensors,
 or on CPU tensors under ``TRITON_INTERPRET=1`` (loops then run to a compile-time bound).
@@ -468,7 +473,8 @@ def candidate_mask(args: IndexerArgs, lo: int, hi: int) -> torch.Tensor:
     return allowed
 
 
-def block_scores(args: IndexerArgs, scores: torch.Tensor, n: torch.Tensor, lo: int, hi: int):
+def visible_block_scores(args: IndexerArgs, scores: torch.Tensor, n: torch.Tensor, lo: int,
+                         hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks [hi - lo, nb] fp32, visible [hi - lo] int32)``: tokens ``lo:hi``'s candidate
     block scores (:func:`compile_ops.indexer.inputs.block_scores`) from their local
     ``scores`` and counts ``n``, written for each token's ``visible`` blocks only."""
@@ -530,7 +536,7 @@ def _select_ids(args: IndexerArgs, scores, n, out) -> None:
 
 
 def _select_blocks(args: IndexerArgs, scores, n, lo, hi, out, width: int) -> None:
-    blocks, visible = block_scores(args, scores, n, lo, hi)
+    blocks, visible = visible_block_scores(args, scores, n, lo, hi)
     topk_of_rows(blocks, visible, *out, width)
 
 
