@@ -22,7 +22,8 @@ ORDERS = ("score", "id")  # the orders indexer_topk gives a token's ids in
 def triton_args_unsupported(args: "IndexerArgs") -> Optional[str]:
     """The ``triton`` backend's limits: ``None`` when its kernels take this call, else why not."""
     if max(args.k, args.n_blocks) > TRITON_MAX_K:
-        return f"the Triton indexer takes k, n_blocks <= {TRITON_MAX_K}, got k = {args.k}, n_blocks = {args.n_blocks}"
+        return (f"the Triton indexer takes k <= {TRITON_MAX_K} and n_blocks <= {TRITON_MAX_K}, got k = {args.k}, "
+                f"n_blocks = {args.n_blocks}")
     if args.q.shape[1] > TRITON_MAX_HEADS:
         return f"the Triton indexer takes at most {TRITON_MAX_HEADS} heads, got {args.q.shape[1]}"
     return None
