@@ -341,7 +341,8 @@ def check_indexer_candidates(index_format: str, gen: torch.Generator, device) ->
     error = float(((blocks.cpu() != p["blocks"]).any(1) | (inside != p["inside"]).any(1)).sum())
     ids, both = compile_ops.indexer_topk_and_candidates(*call, p["k"], p["nb"], p["block"], index_format)
     both_error = float(((ids.cpu() != want).any(1) | (both.cpu() != p["blocks"]).any(1)).sum())
-    backend, shapes = compile_ops.backend_for("indexer", device), f"T={p['q'].shape[0]} blocks={p['nb']}x{p['block']} k={p['k']}"
+    backend = compile_ops.backend_for("indexer", device)
+    shapes = f"T={p['q'].shape[0]} blocks={p['nb']}x{p['block']} k={p['k']}"
     return [Row(f"indexer_candidates[{index_format}]", backend, shapes, error, 0.0),
             Row(f"indexer_topk_and_candidates[{index_format}]", backend, shapes, both_error, 0.0)]
 

@@ -56,10 +56,11 @@ def builds() -> dict:
         scores="*fp32", n="*i32", gmax="*fp32", n_groups="*i32", n_cand="*i32"),
         constants=dict(G=kernels.TOPK_GROUP, BLOCK=kernels.GROUP_MAX_BLOCK))
     out["candidate-mask"] = dict(kernel=f"{mod}:_candidate_mask_kernel", types=dict(
-        cand="*i32", t2r="*i32", n_entries="*i32", allowed="*i8"), constants=dict(C_PAD=2048, CHUNK=1024, ITERS=0))
+        cand="*i32", t2r="*i32", n_entries="*i32", allowed="*i8"),
+        constants=dict(C_PAD=2048, CHUNK=kernels.MASK_CHUNK, ITERS=0))
     out["block-max"] = dict(kernel=f"{mod}:_block_max_kernel", types=dict(
         scores="*fp32", n="*i32", t2r="*i32", n_entries="*i32", out="*fp32", n_out="*i32"),
-        constants=dict(BB=64, BP=8, ITERS=0))
+        constants=dict(BB=kernels.BLOCK_MAX_BLOCKS, BP=8, ITERS=0))
     return out
 
 
@@ -87,7 +88,7 @@ def test_scores_run_on_the_tensor_cores_with_streamed_keys(reports):
     """fp8 (or bf16) wgmma products, keys copied by ``cp.async``."""
     for fmt in ("fp8-all", "fp8-restricted", "bf16-all"):
         ops = " ".join(reports[f"scores-{fmt}"]["ops"])
-        assert ("QGMMA" if fmt.startswith("fp8") else "HGMMA") in ops and "LDGSTS" in ops, sorted(reports[f"scores-{fmt}"]["ops"])
+        assert ("QGMMA" if fmt.startswith("fp8") else "HGMMA") in ops and "LDGSTS" in ops, ops
 
 
 def test_the_build_covers_every_launch_of_the_plan(reports):
@@ -95,8 +96,9 @@ def test_the_build_covers_every_launch_of_the_plan(reports):
     program; a 1M-entry row goes through its groups."""
     from compile_ops.indexer import triton as kernels
 
-    assert [[(l.source, l.seg, l.last) for l in s] for s in kernels.topk_plan(1, 512, 512, sms=132)] == [[(0, 512, True)]]
+    decode = kernels.topk_plan(1, 512, 512, sms=132)
+    assert [[(launch.source, launch.seg, launch.last) for launch in s] for s in decode] == [[(0, 512, True)]]
     grouped = kernels.topk_plan(64, 1 << 20, 512, sms=132)
     assert len(grouped) == 2 and grouped[1][0].source == 2 and grouped[1][0].seg <= kernels.TOPK_GATHER_SEGMENT
-    assert all(f"topk-{l.source}-{l.seg}-{l.k_pad}-{'last' if l.last else 'level'}-{'sorted' if l.sort else 'ids'}"
-               in reports for s in grouped for l in s)
+    assert all(f"topk-{launch.source}-{launch.seg}-{launch.k_pad}-{'last' if launch.last else 'level'}-"
+               f"{'sorted' if launch.sort else 'ids'}" in reports for stage in grouped for launch in stage)

@@ -106,7 +106,8 @@ def main(argv: list[str]) -> int:
             ref_us = graph_time_us(lambda: compiled_reference(*p), 2, 3)
         nbytes = T * n * ENTRY_BYTES
         rows.append(dict(T=T, entries=n, key_bytes=nbytes, op_us=round(op_us, 1), op_id_order_us=round(op_id_us, 1),
-                         GBps=round(nbytes / op_us / 1e3, 1), pct_hbm=round(100 * nbytes / op_us / 1e-6 / HBM_BYTES_PER_S, 1),
+                         GBps=round(nbytes / op_us / 1e3, 1),
+                         pct_hbm=round(100 * nbytes / op_us / 1e-6 / HBM_BYTES_PER_S, 1),
                          compiled_reference_us=None if ref_us is None else round(ref_us, 1),
                          topk_kernel_us=round(topk_us, 1), topk_id_order_us=round(topk_id_us, 1),
                          torch_topk_us=round(torch_topk_us, 1)))

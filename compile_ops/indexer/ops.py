@@ -84,10 +84,11 @@ def _none(args: IndexerArgs, width: int) -> tuple[Tensor, Tensor]:
 
 def _run(op: str, args: IndexerArgs):
     """The backend's ``op(args)``; all ``-1`` (``-inf``) when no token has an entry to score."""
-    if args.q.shape[0] == 0 or args.block_table.shape[0] * args.block_table.shape[1] * args.cache.shape[1] == 0:
-        return (_none(args, args.k), _none(args, args.n_blocks)) if op == "indexer_topk_and_candidates" else \
-            _none(args, args.k)
-    return backends.implementation("indexer", op, args.q.device, None, args)(args)
+    if args.q.shape[0] and args.block_table.shape[0] * args.block_table.shape[1] * args.cache.shape[1]:
+        return backends.implementation("indexer", op, args.q.device, None, args)(args)
+    if op == "indexer_topk_and_candidates":
+        return _none(args, args.k), _none(args, args.n_blocks)
+    return _none(args, args.k)
 
 
 @torch.library.custom_op("dsv41::indexer_topk", mutates_args=())
@@ -284,9 +285,10 @@ index_cache.shape[1]``: the same number as the ``block_size`` given to ``topk_to
 and the compressed cache's pages, which this op cannot check). ``ids[t]`` holds the ``k``
 highest in descending score, equal scores by the lower id (``order="score"``), or the same
 ids in ascending id order (``order="id"``: the order DeepSeek-V4.1's reference attends
-them in, and no sort), then ``-1`` after the first ``min(k, valid entries)``. Entries whose table entry is ``-1`` or outside the cache are
-skipped (never read); ``n_entries`` above ``L = B * page_size`` counts as ``L``. Rows with
-``r`` outside ``[0, R)`` or ``n_entries[t] <= 0`` are all ``-1``.
+them in, and no sort), then ``-1`` after the first ``min(k, valid entries)``. Entries
+whose table entry is ``-1`` or outside the cache are skipped (never read); ``n_entries``
+above ``L = B * page_size`` counts as ``L``. Rows with ``r`` outside ``[0, R)`` or
+``n_entries[t] <= 0`` are all ``-1``.
 
 Products: with an ``"fp8"`` cache, q is quantized like the keys (per (token, head) row,
 power-of-two scale folded into the weights) and multiplied in e4m3 with fp32 accumulation;
@@ -391,7 +393,7 @@ highest max), so every rank returns the same global block ids, equal to
 :func:`indexer_candidates` over the unsharded cache. A collective.
 """
 
-indexer_topk_and_candidates.__doc__ = """:func:`indexer_topk` and :func:`indexer_candidates` of one call, from one scoring.
+indexer_topk_and_candidates.__doc__ = """:func:`indexer_topk` and :func:`indexer_candidates` from one scoring.
 
 DeepSeek-V4.1's candidate source layer takes its own top-k (unrestricted) and the candidate
 blocks of the index layers after it from the same scores: this op scores each token's
@@ -421,7 +423,7 @@ Example::
     ([[0, 5, 2]], [[3, 0]])
 """
 
-dcp_indexer_topk_and_candidates.__doc__ = """:func:`indexer_topk_and_candidates` over a DCP group whose entries are sharded by ``interleave``.
+dcp_indexer_topk_and_candidates.__doc__ = """:func:`indexer_topk_and_candidates` over a DCP group.
 
 Each rank scores its own entries once; the ids merge as :func:`dcp_indexer_topk`'s and the
 blocks as :func:`dcp_indexer_candidates`', so every rank returns the same ``(ids, blocks)``,

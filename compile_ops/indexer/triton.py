@@ -53,6 +53,8 @@ TOPK_GROUP = 16  # entries per group of a long row's first selection
 TOPK_GROUPED_FROM = 4  # rows of at least this many k * TOPK_GROUP entries select groups first
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
 SCORE_PROGRAMS_PER_SM = 16  # the scores kernel's grid: enough loads in flight to stream keys
+MASK_CHUNK = 4096  # candidate-mask bytes one program clears per step
+BLOCK_MAX_BLOCKS = 64  # candidate blocks one program of the block maxima takes per step
 
 
 @triton.jit
@@ -464,12 +466,11 @@ def candidate_mask(args: IndexerArgs, lo: int, hi: int) -> torch.Tensor:
     cand = args.candidates[lo:hi]
     L = args.block_table.shape[1] * args.cache.shape[1]
     allowed = torch.empty((hi - lo, global_blocks(args)), dtype=torch.int8, device=cand.device)
-    chunk = 1024
     launchable(_candidate_mask_kernel, cand)[(hi - lo,)](
         cand, args.token_to_req[lo:hi], args.n_entries[lo:hi], allowed, cand.stride(0), allowed.stride(0),
         cand.shape[1], args.block_table.shape[0], L * args.shard[1], args.candidate_block,
-        C_PAD=triton.next_power_of_2(max(cand.shape[1], 1)), CHUNK=chunk,
-        ITERS=triton.cdiv(allowed.shape[1], chunk) if INTERPRET else 0)
+        C_PAD=triton.next_power_of_2(max(cand.shape[1], 1)), CHUNK=MASK_CHUNK,
+        ITERS=triton.cdiv(allowed.shape[1], MASK_CHUNK) if INTERPRET else 0)
     return allowed
 
 
@@ -483,7 +484,7 @@ def visible_block_scores(args: IndexerArgs, scores: torch.Tensor, n: torch.Tenso
     nb, block = global_blocks(args), args.candidate_block
     blocks = torch.empty((hi - lo, nb), dtype=torch.float32, device=scores.device)
     visible = torch.empty((hi - lo,), dtype=torch.int32, device=scores.device)
-    BB = 64
+    BB = BLOCK_MAX_BLOCKS
     steps = triton.cdiv(nb, BB)
     S = torch.sym_max(1, torch.sym_min(steps, SCORE_PROGRAMS_PER_SM * num_sms(scores.device) // (hi - lo)))
     launchable(_block_max_kernel, scores)[(hi - lo, S)](

@@ -53,7 +53,8 @@ def full_sass(cubin: bytes) -> str:
 
 def report(compiled) -> dict:
     sass = full_sass(compiled.asm["cubin"])
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"^(?:@!?U?P[0-9T] )?([A-Z0-9]+(?:\.[A-Z0-9_]+)*)", sass, re.M))
+    opcode = r"^(?:@!?U?P[0-9T] )?([A-Z0-9]+(?:\.[A-Z0-9_]+)*)"
+    ops = collections.Counter(m.group(1) for m in re.finditer(opcode, sass, re.M))
     return {"shared": compiled.metadata.shared, "spills": len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
             "ops": dict(ops)}
 
