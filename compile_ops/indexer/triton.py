@@ -396,14 +396,19 @@ def grouped(L: int, k: int) -> bool:
 GROUP_MAX_BLOCK = 256 * TOPK_GROUP  # scores per program of the group maxima
 
 
+def group_slots(L: int) -> int:
+    """Group maxima slots of a row of ``L`` scores (whole programs of ``GROUP_MAX_BLOCK``)."""
+    return triton.cdiv(L, GROUP_MAX_BLOCK) * GROUP_MAX_BLOCK // TOPK_GROUP
+
+
 def topk_plan(T, L: int, k: int, sms: int, segment: Optional[int] = None, sort: bool = True) -> list[list[TopkLaunch]]:
     """The top-k launches of ``T`` rows of ``L`` scores (:func:`topk_of_rows`): one selection,
     or for a long row (:func:`grouped`) the selection of its best groups (in id order) and
     then of their entries; the last launch sorts by score if ``sort``."""
     if not grouped(L, k):
         return [_selection(T, L, k, sms, segment, 0, sort)]
-    groups = triton.cdiv(L, GROUP_MAX_BLOCK) * GROUP_MAX_BLOCK // TOPK_GROUP
-    return [_selection(T, groups, k, sms, segment, 0, False), _selection(T, k * TOPK_GROUP, k, sms, segment, 2, sort)]
+    return [_selection(T, group_slots(L), k, sms, segment, 0, False),
+            _selection(T, k * TOPK_GROUP, k, sms, segment, 2, sort)]
 
 
 def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=None) -> None:
@@ -443,8 +448,7 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     if len(plan) == 1:
         _launch(plan[0], scores, n, ids, vals, k)
         return
-    gmax = torch.empty((T, triton.cdiv(L, GROUP_MAX_BLOCK) * GROUP_MAX_BLOCK // TOPK_GROUP), dtype=torch.float32,
-                       device=scores.device)
+    gmax = torch.empty((T, group_slots(L)), dtype=torch.float32, device=scores.device)
     n_groups, n_cand = torch.empty((2, T), dtype=torch.int32, device=scores.device)
     launchable(_group_max_kernel, scores)[(T, triton.cdiv(L, GROUP_MAX_BLOCK))](
         scores, n, gmax, n_groups, n_cand, scores.stride(0), gmax.stride(0), k, G=TOPK_GROUP, BLOCK=GROUP_MAX_BLOCK)
@@ -460,7 +464,7 @@ def global_blocks(args: IndexerArgs) -> int:
     return triton.cdiv(L * args.shard[1], args.candidate_block)
 
 
-def candidate_mask(args: IndexerArgs, lo: int, hi: int) -> torch.Tensor:
+def mark_candidates(args: IndexerArgs, lo: int, hi: int) -> torch.Tensor:
     """``[hi - lo, nb]`` int8 (:func:`global_blocks`): 1 where a block is among tokens
     ``lo:hi``'s ``args.candidates``, over each token's visible blocks (the rest unset)."""
     cand = args.candidates[lo:hi]
@@ -517,7 +521,7 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
     for lo, hi in chunks:
         scores = torch.empty((hi - lo, L), dtype=torch.float32, device=q.device)
         n = torch.empty((hi - lo,), dtype=torch.int32, device=q.device)
-        allowed = n if args.candidates is None else candidate_mask(args, lo, hi)
+        allowed = n if args.candidates is None else mark_candidates(args, lo, hi)
         S = torch.sym_max(1, torch.sym_min(blocks, SCORE_PROGRAMS_PER_SM * sms // (hi - lo)))
         launchable(_scores_kernel, q)[(hi - lo, S)](
             q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
