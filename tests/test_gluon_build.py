@@ -77,7 +77,6 @@ def build_report(build):
         spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
         wgmma=sass.count("HGMMA"),
         setmaxnreg=sass.count("USETMAXREG"),
-        e4m3_conversions=sass.count("E4M3.UNPACK"),
     )
 
 
@@ -105,7 +104,6 @@ def test_gluon_kernel_builds_for_sm90_without_spills(build, reports):
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
     assert report["wgmma"] > 0  # the products run as wgmma
     assert report["setmaxnreg"] >= 3  # the warpgroups' register split survived
-    assert report["e4m3_conversions"] == 0  # fp8 rows widen on the integer units (_convert)
 
 
 if __name__ == "__main__":

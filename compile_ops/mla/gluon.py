@@ -8,8 +8,8 @@ blocks (SWA blocks first), and runs three warpgroups:
 * a **producer** (4 warps) gathers each block's rows into a ring of two bf16 key tiles in
   shared memory: ``bf16`` rows by ``cp.async`` straight into the MMA layout; the fp8
   formats' raw bytes by ``cp.async`` into a staging buffer and the tile, converted in place
-  (widened to bf16 in integer arithmetic, then one exact ``mul.rn.bf16x2`` by the UE8M0
-  scale per two values). Slots are loaded two blocks ahead, so no copy waits for an index load;
+  (``cvt.rn.f16x2.e4m3x2``, then one exact ``mul.rn.bf16x2`` by the UE8M0 scale per two
+  values). Slots are loaded two blocks ahead, so no copy waits for an index load;
 * consumer **warpgroup 0** computes ``S = Q K^T`` (``wgmma`` m64n64, reading Q once), the
   online softmax and ``O[:, :256] += P K[:, :256]``, and hands ``P`` and the rescale factor
   to
@@ -133,29 +133,26 @@ def _convert(x, e, SCALED: gl.constexpr):
     """int32 words ``x`` (four e4m3 bytes each, along the last axis) and their UE8M0 scale
     bytes ``e`` (broadcast over the last axis) -> ``[rows, 4 * words]`` bf16: each byte times
     ``2^(e - 127)``, or unscaled when not ``SCALED``.
-    The bytes widen in integer arithmetic, as :func:`compile_ops._triton_quant.e4m3_to_bf16`
-    states (byte permutes, a shift and masks, then one exact ``fma.rn.bf16x2`` by
-    ``2**120``): the ``cvt`` route (e4m3 -> f16 -> f32 -> bf16) spends two conversion-unit
-    instructions per two values, and that unit retires a quarter of what the integer units
-    do. The e4m3 values are exact in bf16 and the scale is a power of two, so the one
-    rounding (``mul.rn.bf16x2``) is that of the exact product."""
+    The e4m3 values are exact in bf16 and the scale is a power of two, so the one rounding
+    (``mul.rn.bf16x2``, after ``cvt.rn.f16x2.e4m3x2`` and fp32) is that of the exact product."""
     e = e.to(gl.int32)
     scale = gl.where(e == 0, 0x400040, (e << 23) | (e << 7))  # 2^(e - 127) as a bf16 pair (subnormal at 0)
     k0, k1, k2, k3 = gl.inline_asm_elementwise(
         """{
-        .reg .b32 a, b, m, n, rebias, zero;
-        mov.b32 rebias, 0x7B807B80;
-        mov.b32 zero, 0x80008000;
-        prmt.b32 a, $4, 0, 0x1404;
-        prmt.b32 b, $4, 0, 0x3424;
-        shr.b32 m, a, 4;
-        shr.b32 n, b, 4;
-        and.b32 m, m, 0x07F007F0;
-        and.b32 n, n, 0x07F007F0;
-        lop3.b32 a, a, 0x80008000, m, 0xea;
-        lop3.b32 b, b, 0x80008000, n, 0xea;
-        fma.rn.bf16x2 a, a, rebias, zero;
-        fma.rn.bf16x2 b, b, rebias, zero;
+        .reg .b16 lo, hi, a0, a1, b0, b1;
+        .reg .b32 a, b;
+        .reg .f32 f0, f1, f2, f3;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 a, lo;
+        cvt.rn.f16x2.e4m3x2 b, hi;
+        mov.b32 {a0, a1}, a;
+        mov.b32 {b0, b1}, b;
+        cvt.f32.f16 f0, a0;
+        cvt.f32.f16 f1, a1;
+        cvt.f32.f16 f2, b0;
+        cvt.f32.f16 f3, b1;
+        cvt.rn.bf16x2.f32 a, f1, f0;
+        cvt.rn.bf16x2.f32 b, f3, f2;
         """ + ("""mul.rn.bf16x2 a, a, $5;
         mul.rn.bf16x2 b, b, $5;
         """ if SCALED else "") + """mov.b32 {$0, $1}, a;
