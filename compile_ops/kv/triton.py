@@ -54,10 +54,13 @@ def _store_rows_kernel(
         e4m3 = to_e4m3(x * inverse[:, None]).to(tl.uint8, bitcast=True)
         data = base + off * DATA
         tl.store(data + o_v, e4m3, mask=ok & m_b[:, None])
-        if NOPE < D:  # the RoPE values, bf16 after the e4m3 ones
+        if NOPE < D:  # the RoPE values, bf16 after the e4m3 ones, stored a byte at a time:
+            # under an odd page stride (a cache viewed out of a larger pool) they sit at odd
+            # addresses, where a 2-byte store faults
             o_r = tl.arange(0, D - NOPE)
-            rope = to_bf16(tl.load(row + NOPE + o_r).to(tl.float32))
-            tl.store((data + NOPE).to(tl.pointer_type(tl.bfloat16)) + o_r, rope, mask=ok)
+            rope = to_bf16(tl.load(row + NOPE + o_r).to(tl.float32)).to(tl.uint16, bitcast=True)
+            tl.store(data + NOPE + 2 * o_r, (rope & 0xFF).to(tl.uint8), mask=ok)
+            tl.store(data + NOPE + 2 * o_r + 1, (rope >> 8).to(tl.uint8), mask=ok)
         scales = base + page_size * DATA + off * SCALE
         if FP32_SCALE:
             tl.store(scales.to(tl.pointer_type(tl.float32)) + o_b, power_of_two(exponent), mask=ok & m_b)
