@@ -103,15 +103,15 @@ def check_sparse_mla(kv_format: str, gen: torch.Generator, device, into_buffers:
 def check_fp8_linear(block: int, M: int, gen: torch.Generator, device) -> Row:
     """``fp8_linear`` (grouped, in the block layout ``block``, ``M`` tokens) against the
     float64 product of its operands as the op takes them: the weight's blocks, and the
-    tokens rounded per token per block (more than ``WEIGHT_ONLY_TOKENS`` of them) or in bf16."""
-    from compile_ops.linear import WEIGHT_ONLY_TOKENS, dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
+    tokens rounded per token per block (more than the layout's ``weight_only_tokens``) or in bf16."""
+    from compile_ops.linear import LAYOUTS, dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
 
     N, K, G = 256, 384, 2
     x = torch.randn(M, G * K, generator=gen).bfloat16()
     w = torch.randn(N, K, generator=gen) / K**0.5
     wq, ws = quantize_blocks(w, block)
     got = fp8_linear(x.to(device), wq.to(device), ws.to(device), G).cpu().double()
-    if M <= WEIGHT_ONLY_TOKENS:
+    if M <= LAYOUTS[block].weight_only_tokens:
         xd = x.double()
     else:
         xq, xs = quantize_tokens(x, block)

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from compile_ops.linear import WEIGHT_ONLY_TOKENS
+from compile_ops.linear import LAYOUTS
 from graphs import TINY_V41, V41_FLASH, V41_FLASH_PLAN, CacheConfig, DSV41Stack, LayerPlan, StepRunner
 from graphs.bench import fill_random, grow_rows, profile_kernels, time_replay
 from graphs.memory import stack_buffer_bytes
@@ -161,9 +161,9 @@ def run_stack(args) -> dict:
     info["compile_and_capture_s"] = round(time.perf_counter() - start, 1)
     # (the 40-layer stack serves fewer tokens: the oracle's time grows with layers x tokens)
     prompts = ((500, 200, 64, 5) if args.stack == "all" else (1000, 300, 64, 700, 5, 450)) if cuda else (30, 9, 41, 4)
-    # FP8 weights: steps of at most WEIGHT_ONLY_TOKENS tokens, whose projections take the
+    # FP8 weights: steps of at most the layout's weight_only_tokens, whose projections take the
     # tokens in bf16, so the oracle's dequantized weights are exactly the layer's product
-    most = WEIGHT_ONLY_TOKENS if args.weights == "fp8" else 512
+    most = LAYOUTS[stack.cfg.weight_block].weight_only_tokens if args.weights == "fp8" else 512
     work = (mixed_workload(prompts, 16, chunk=min(256, most), max_tokens=most, rows=8, arrive_every=2, drafts=3)
             if cuda else mixed_workload(prompts, 6, chunk=7, max_tokens=16, rows=3, arrive_every=2, drafts=3))
     k = work.kinds()

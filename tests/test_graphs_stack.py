@@ -98,7 +98,7 @@ def test_every_layer_equals_the_oracle_on_its_own_inputs():
 
 def test_an_fp8_stack_equals_the_oracle_with_its_dequantized_weights():
     """V4.1's FP8 weights (32 x 32 blocks; the grouped wo_a in whole 128-row blocks): steps
-    of at most WEIGHT_ONLY_TOKENS tokens take the tokens in bf16, so the oracle with the
+    of at most the layout's weight_only_tokens take the tokens in bf16, so the oracle with the
     dequantized weights is the stack's function, layer by layer."""
     cfg = replace(TINY_V41, o_lora_rank=128, weight_block=32)
     stack = DSV41Stack(cfg, CACHE, PLAN, record_inputs=True, weights="fp8")

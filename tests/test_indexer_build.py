@@ -39,9 +39,9 @@ def builds() -> dict:
                 types=dict(src_vals="*fp32", src_ids="*i32", n="*i32", n_src="*i32", cand_vals="*fp32",
                            cand_ids="*i32", ids="*i32", vals="*fp32"))
     out = {}
-    for fmt, restrict, stages in (("fp8", False, 2), ("fp8", True, 4), ("bf16", False, 2)):
+    for fmt, restrict in (("fp8", False), ("fp8", True), ("bf16", False)):
         out[f"scores-{fmt}-{'restricted' if restrict else 'all'}"] = dict(
-            scores, types={**scores["types"], "cache": "*u8" if fmt == "fp8" else "*bf16"}, num_stages=stages,
+            scores, types={**scores["types"], "cache": "*u8" if fmt == "fp8" else "*bf16"}, num_stages=2,
             constants=dict(HI=32, FP8=fmt == "fp8", RESTRICT=restrict, BN=kernels.BN, ITERS=0, UPCAST=False))
     launches = {launch._replace(programs=0, cover=0) for T in (1, 64, 256, 4096)
                 for L in (512, 8192, 1 << 15, 1 << 17, 1 << 20) for k in (512, 2048)

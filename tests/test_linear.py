@@ -13,7 +13,7 @@ import torch
 import compile_ops
 from compile_ops.bench.linear import FLASH_PROJECTIONS
 from compile_ops.linear import dequantize_blocks, fp8_linear, quantize_blocks, quantize_tokens
-from compile_ops.linear.quant import E4M3_MAX, LAYOUTS, WEIGHT_ONLY_TOKENS
+from compile_ops.linear.quant import E4M3_MAX, LAYOUTS
 from test_opcheck import opcheck
 
 pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
@@ -79,7 +79,7 @@ def test_reference_equals_the_float64_product_of_the_quantized_operands(M, N, K,
     with compile_ops.use_backends(linear="reference"):
         got = fp8_linear(x, wq, ws)
     xq, xs = quantize_tokens(x, block)
-    xd = x.double() if M <= WEIGHT_ONLY_TOKENS else xq.double() * xs.double().repeat_interleave(block, 1)[:, :K]
+    xd = x.double() if M <= LAYOUTS[block].weight_only_tokens else xq.double() * xs.double().repeat_interleave(block, 1)[:, :K]
     oracle = xd @ dequantize_blocks(wq, ws).double().t()
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     assert ((got.double() - oracle).abs() <= 2**-8 * oracle.abs() + 1e-5).all()  # one bf16 rounding
@@ -87,20 +87,23 @@ def test_reference_equals_the_float64_product_of_the_quantized_operands(M, N, K,
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_decode_sized_calls_are_weight_only(block):
-    """Up to ``WEIGHT_ONLY_TOKENS`` tokens the activations stay bf16 (the product of the
-    bf16 tokens and the dequantized weight); one token more and they are quantized."""
+    """Up to the layout's ``weight_only_tokens`` (64 with 128-blocks, 256 with 32-blocks)
+    the activations stay bf16 (the product of the bf16 tokens and the dequantized weight);
+    one token more and they are quantized."""
+    most = LAYOUTS[block].weight_only_tokens
+    assert most == {128: 64, 32: 256}[block]
     gen = torch.Generator().manual_seed(block)
-    x = (torch.randn(WEIGHT_ONLY_TOKENS + 1, 256, generator=gen) * 3).bfloat16()
+    x = (torch.randn(most + 1, 256, generator=gen) * 3).bfloat16()
     wq, ws = quantize_blocks(torch.randn(128, 256, generator=gen) / 16, block)
     w = dequantize_blocks(wq, ws).double()
     with compile_ops.use_backends(linear="reference"):
-        small = fp8_linear(x[:WEIGHT_ONLY_TOKENS], wq, ws).double()
+        small = fp8_linear(x[:most], wq, ws).double()
         large = fp8_linear(x, wq, ws).double()
     exact = x.double() @ w.t()
     xq, xs = quantize_tokens(x, block)
     rounded = (xq.double() * xs.double().repeat_interleave(block, 1)) @ w.t()
     bf16 = 2**-8 * exact.abs() + 1e-5
-    assert ((small - exact[:WEIGHT_ONLY_TOKENS]).abs() <= bf16[:WEIGHT_ONLY_TOKENS]).all()
+    assert ((small - exact[:most]).abs() <= bf16[:most]).all()
     assert ((large - rounded).abs() <= 2**-8 * rounded.abs() + 1e-5).all()
     assert not ((large - exact).abs() <= bf16).all()  # the activations' rounding shows
 
@@ -207,8 +210,9 @@ for bm in (16, 64):
                     {"BM": bm, "BN": 128, "BK": bk, "ITERS": 0, "PARTIAL": bm == 16, "E8M0": bk == 32,
                      "BF16_A": False, "UPCAST": False, "SB": 0, "SWAP": False})
         print(f"{bm}x{bk}", "wgmma" in ptx or "mma.sync" in ptx)
-# weight-only decode calls, bf16 tokens: 128-blocks, then 32-blocks' two tiles (weight_only_tile)
-for sb, bm, bn, bk, swap in ((0, 16, 128, 128, False), (32, 16, 64, 128, True), (32, 64, 64, 64, False)):
+# weight-only decode calls, bf16 tokens: 128-blocks, then 32-blocks' three tiles (weight_only_tile)
+for sb, bm, bn, bk, swap in ((0, 16, 128, 128, False), (32, 16, 64, 128, True), (32, 64, 64, 64, False),
+                             (32, 128, 64, 64, False)):
     ptx = build(kernels._fp8_gemm_kernel, gemm("*u8" if sb else "*fp32", "*bf16"),
                 {"BM": bm, "BN": bn, "BK": bk, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "BF16_A": True,
                  "UPCAST": False, "SB": sb, "SWAP": swap})
@@ -257,7 +261,7 @@ def test_kernel_builds_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     # tensor-core MMAs, and correctly rounded divisions in the quantizer
     assert run.stdout.split() == ["16x128", "True", "16x32", "True", "64x128", "True", "64x32", "True",
-                                  "bf16x128x16", "True", "True", "bf16x32x16", "True", "True", "bf16x32x64", "True", "True",
+                                  "bf16x128x16", "True", "True", "bf16x32x16", "True", "True", "bf16x32x64", "True", "True", "bf16x32x128", "True", "True",
                                   "quant128", "True", "quant32", "True"], run.stdout
 
 
@@ -297,7 +301,7 @@ FLASH_LINEARS = list(FLASH_PROJECTIONS.values())  # (N, K, groups) of V4.1-Flash
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("N, K, groups", FLASH_LINEARS)
-@pytest.mark.parametrize("M", [1, 7, 64, 300, 4096])
+@pytest.mark.parametrize("M", [1, 7, 64, 200, 300, 4096])
 def test_gpu_backends_equal_the_reference(M, N, K, groups, block):
     """Each CUDA backend that takes the call (Triton: all; cuBLAS: 128-blocks, one group,
     >= 128 tokens, >= 2**19 outputs) at the layer's shapes; ``auto`` picks cuBLAS where it can."""

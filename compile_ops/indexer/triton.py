@@ -529,8 +529,8 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
             rank, world, interleave, args.candidate_block, allowed.shape[-1],
             HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
             ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET,
-            # deeper key prefetch once many tokens share the SMs
-            num_stages=4 if statically_known_true(hi - lo >= 32) else 2,
+            # two stages: a deeper key prefetch measured slower (docs/performance-indexer.md)
+            num_stages=2,
         )
         select(scores, n, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs])
     return outs

@@ -1,7 +1,7 @@
 """``dsv41::fp8_linear``: schema, validation, fake, dispatch to the ``"linear"`` backends.
 
-A backend quantizes the activations of a call of more than ``WEIGHT_ONLY_TOKENS`` tokens
-per token per block of the weight's layout (128 values with fp32 scales, or 32 with
+A backend quantizes the activations of a call of more than its layout's
+``weight_only_tokens`` tokens (:class:`compile_ops.linear.BlockLayout`) per token per block of the weight's layout (128 values with fp32 scales, or 32 with
 power-of-two scales) as :func:`compile_ops.linear.quant.quantize_tokens` does (on CUDA a
 one-launch Triton quantizer, equal bit for bit), takes a smaller call's activations in
 bf16, and multiplies them by the weight with fp32 accumulation.
@@ -14,7 +14,7 @@ from torch import Tensor
 
 from compile_ops import backends
 from compile_ops._checks import check_tensor
-from compile_ops.linear.quant import (BLOCK, LAYOUTS, TILE_N, WEIGHT_ONLY_TOKENS, BlockLayout, dequantize_blocks,
+from compile_ops.linear.quant import (BLOCK, LAYOUTS, TILE_N, BlockLayout, dequantize_blocks,
                                       layout_of_block, layout_of_scale, quantize_blocks, quantize_tokens)
 from compile_ops.linear.reference import fp8_linear_reference
 
@@ -61,9 +61,10 @@ holds ``G`` stacked ``[N / G, K]`` weights, and output columns ``g * N / G ..`` 
 ``x[:, g * K : (g + 1) * K] @ W_g^T`` (the attention layer's ``wo_a``; ``N / G`` and ``K``
 whole 128-blocks).
 
-``x [M, K]`` bf16 (or fp32) is quantized per token per block to e4m3 when ``M >
-WEIGHT_ONLY_TOKENS`` (64); a decode-sized call (``M <= 64``) is weight-only: ``x`` in bf16
-times the weight dequantized in registers (one launch fewer, no activation rounding). ``weight [N, K]``
+``x [M, K]`` bf16 (or fp32) is quantized per token per block to e4m3 when ``M`` is more
+than the layout's ``weight_only_tokens`` (64 with 128-blocks, 256 with 32-blocks); a
+smaller call is weight-only: ``x`` in bf16 times the weight dequantized in registers (one
+launch fewer, no activation rounding). ``weight [N, K]``
 float8_e4m3fn with ``weight_scale`` in one of DeepSeek's two layouts, told apart by its
 dtype (``compile_ops.linear.LAYOUTS``): fp32 ``[ceil(N/128), ceil(K/128)]`` (V4's 128 x
 128 blocks, activations per 128 values with fp32 scales) or float8_e8m0fnu ``[ceil(N/32),
@@ -94,5 +95,5 @@ backends.register_backend("linear", "triton", backends.cuda_with_triton,
                           {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
 backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})
 
-__all__ = ["BLOCK", "LAYOUTS", "WEIGHT_ONLY_TOKENS", "BlockLayout", "dequantize_blocks", "fp8_linear", "layout_of_block", "layout_of_scale",
+__all__ = ["BLOCK", "LAYOUTS", "BlockLayout", "dequantize_blocks", "fp8_linear", "layout_of_block", "layout_of_scale",
            "quantize_blocks", "quantize_tokens"]

@@ -32,17 +32,24 @@ E4M3_MAX = 448.0
 @dataclass(frozen=True)
 class BlockLayout:
     """One FP8 weight layout: square blocks of ``block`` values, scales stored as
-    ``scale_dtype`` (``float32``, or ``float8_e8m0fnu`` for power-of-two scales)."""
+    ``scale_dtype`` (``float32``, or ``float8_e8m0fnu`` for power-of-two scales). A call of
+    at most ``weight_only_tokens`` tokens is weight-only: its activations stay bf16 and the
+    weight is dequantized in registers, which removes a launch and the activations'
+    rounding; past it the activations are quantized per token per block."""
 
     block: int
     scale_dtype: torch.dtype
+    weight_only_tokens: int
 
     @property
     def power_of_two(self) -> bool:
         return self.scale_dtype == torch.float8_e8m0fnu
 
 
-LAYOUTS = {128: BlockLayout(128, torch.float32), 32: BlockLayout(32, torch.float8_e8m0fnu)}
+# weight-only up to 64 tokens with 128-blocks (past them cuBLAS's blockwise GEMM takes
+# over), up to 256 with 32-blocks, whose block-scaled GEMM (one 32-wide dot per scale
+# block) was 1.4-2.4x slower than the weight-only one at 128 and 256 tokens on the H200
+LAYOUTS = {128: BlockLayout(128, torch.float32, 64), 32: BlockLayout(32, torch.float8_e8m0fnu, 256)}
 """The weight layouts by block size: ``128`` (V4, fp32 scales), ``32`` (V4.1, ue8m0)."""
 
 BLOCK = 128
@@ -50,12 +57,6 @@ BLOCK = 128
 
 TILE_N = 128
 """Output columns per tile of the FP8 GEMMs; a group of a grouped projection holds whole tiles."""
-# up to this many tokens (decode steps) the activations stay bf16: the weight is
-# dequantized in registers instead, which removes a launch and the activations' rounding,
-# and reads the weight faster than the block-scaled GEMM of 32-blocks does (32-wide dots)
-WEIGHT_ONLY_TOKENS = 64
-
-
 def layout_of_block(block) -> BlockLayout:
     """The :data:`LAYOUTS` entry of ``block`` (an int, or a checkpoint's
     ``weight_block_size`` pair), or ``ValueError`` naming the two there are."""

@@ -12,8 +12,8 @@
   accumulation keeps too few bits). Decode steps have few tokens, so an ``M x N`` grid
   alone would leave most SMs idle on the narrow projections (``wq_a``: 10 tiles): the K
   blocks are then split over programs that write fp32 partials, and one reduction sums
-  them in split order (deterministic). Up to ``WEIGHT_ONLY_TOKENS`` tokens the call is
-  weight-only: bf16 tokens against the weight tile dequantized in registers, in the tiles
+  them in split order (deterministic). Up to the layout's ``weight_only_tokens`` the call
+  is weight-only: bf16 tokens against the weight tile dequantized in registers, in the tiles
   of :func:`weight_only_tile` for 32-blocks.
 
 The quantizer rounds to e4m3 in fp32 arithmetic (:mod:`compile_ops._triton_quant`), so it
@@ -30,19 +30,22 @@ import triton.language as tl
 
 from compile_ops._launch import INTERPRET, launchable
 from compile_ops._triton_quant import e4m3_to_bf16, round_to_e4m3
-from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, WEIGHT_ONLY_TOKENS, layout_of_block, layout_of_scale
+from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, layout_of_block, layout_of_scale
 
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
 TARGET_PROGRAMS = 264
 QUANT_ROWS = 16  # token rows per program of the quantizer
 
 
-def weight_only_tile(M: int) -> tuple[int, int, bool, int]:
-    """``(BN, BK, swap, programs)`` of a weight-only call of ``M`` tokens with 32-blocks, the
-    best of an H200 sweep (``docs/performance-decode.md``): narrow tiles and twice
+def weight_only_tile(M: int) -> tuple[int, int, int, bool, int]:
+    """``(BM, BN, BK, swap, programs)`` of a weight-only call of ``M`` tokens with 32-blocks,
+    the best of H200 sweeps (``docs/performance-decode.md``): narrow weight tiles and twice
     :data:`TARGET_PROGRAMS` keep more weight loads in flight; up to 16 tokens the tile is
-    accumulated transposed."""
-    return (64, 128, True, 2 * TARGET_PROGRAMS) if M <= 16 else (64, 64, False, 2 * TARGET_PROGRAMS)
+    accumulated transposed; past 64, 128 tokens per tile widen each weight tile for twice
+    the tokens."""
+    if M <= 16:
+        return 16, 64, 128, True, 2 * TARGET_PROGRAMS
+    return (64 if M <= 64 else 128), 64, 64, False, 2 * TARGET_PROGRAMS
 
 
 @triton.jit
@@ -170,9 +173,11 @@ def tile_rows(M: int) -> int:
     return 16 if M <= 16 else 64
 
 
-def k_splits(M: int, N: int, K: int, block: int = BLOCK, tile_n: int = TILE_N, programs: int = TARGET_PROGRAMS) -> int:
-    """How many programs share a tile's ``block``-wide K blocks: enough for ``programs``."""
-    tiles = triton.cdiv(M, tile_rows(M)) * triton.cdiv(N, tile_n)
+def k_splits(M: int, N: int, K: int, block: int = BLOCK, tile_n: int = TILE_N, programs: int = TARGET_PROGRAMS,
+             tile_m: int = 0) -> int:
+    """How many programs share a tile's ``block``-wide K blocks: enough for ``programs``
+    (tiles of ``tile_m`` tokens, :func:`tile_rows` when 0)."""
+    tiles = triton.cdiv(M, tile_m or tile_rows(M)) * triton.cdiv(N, tile_n)
     k_blocks = triton.cdiv(K, block)
     per_split = triton.cdiv(k_blocks, max(1, min(k_blocks, programs // tiles)))
     return triton.cdiv(k_blocks, per_split)
@@ -181,14 +186,14 @@ def k_splits(M: int, N: int, K: int, block: int = BLOCK, tile_n: int = TILE_N, p
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       groups: int = 1) -> torch.Tensor:
     """bf16 ``[M, N]`` of ``x [M, groups * K]`` (bf16 or fp32; quantized per token per block
-    past ``WEIGHT_ONLY_TOKENS`` tokens, else taken in bf16 against the weight dequantized in
+    past the layout's ``weight_only_tokens``, else taken in bf16 against the weight dequantized in
     registers) times e4m3 ``weight [N, K]`` (scales ``[ceil(N/block), ceil(K/block)]``, fp32
     or ue8m0) transposed, per group."""
     layout = layout_of_scale(weight_scale)
     block = layout.block
     M = x.shape[0]
     N, K = weight.shape
-    weight_only = M <= WEIGHT_ONLY_TOKENS
+    weight_only = M <= layout.weight_only_tokens
     if weight_only:
         xq, x_scale = x.contiguous().to(torch.bfloat16), x.new_empty((0, 0), dtype=torch.float32)
     else:
@@ -199,9 +204,10 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     # a weight-only call of 32-blocks steps through K several scale blocks per dot
     wide = weight_only and layout.power_of_two
-    BN, step, swap, programs = weight_only_tile(M) if wide else (TILE_N, block, False, TARGET_PROGRAMS)
-    BM, k_blocks = tile_rows(M), triton.cdiv(K, step)
-    splits = k_splits(M, N, K, step, BN, programs)
+    BM, BN, step, swap, programs = (weight_only_tile(M) if wide
+                                    else (tile_rows(M), TILE_N, block, False, TARGET_PROGRAMS))
+    k_blocks = triton.cdiv(K, step)
+    splits = k_splits(M, N, K, step, BN, programs, BM)
     per_split = triton.cdiv(k_blocks, splits)
     partial = splits > 1
     target = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if partial else out
