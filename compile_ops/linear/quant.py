@@ -48,7 +48,7 @@ class BlockLayout:
 
 # weight-only up to 64 tokens with 128-blocks (past them cuBLAS's blockwise GEMM takes
 # over), up to 256 with 32-blocks, whose block-scaled GEMM (one 32-wide dot per scale
-# block) was 1.4-2.4x slower than the weight-only one at 128 and 256 tokens on the H200
+# block) is the slower one up to there (docs/ops.md has the figures)
 LAYOUTS = {128: BlockLayout(128, torch.float32, 64), 32: BlockLayout(32, torch.float8_e8m0fnu, 256)}
 """The weight layouts by block size: ``128`` (V4, fp32 scales), ``32`` (V4.1, ue8m0)."""
 
