@@ -79,7 +79,8 @@ def test_reference_equals_the_float64_product_of_the_quantized_operands(M, N, K,
     with compile_ops.use_backends(linear="reference"):
         got = fp8_linear(x, wq, ws)
     xq, xs = quantize_tokens(x, block)
-    xd = x.double() if M <= LAYOUTS[block].weight_only_tokens else xq.double() * xs.double().repeat_interleave(block, 1)[:, :K]
+    rounded = xq.double() * xs.double().repeat_interleave(block, 1)[:, :K]
+    xd = x.double() if M <= LAYOUTS[block].weight_only_tokens else rounded
     oracle = xd @ dequantize_blocks(wq, ws).double().t()
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     assert ((got.double() - oracle).abs() <= 2**-8 * oracle.abs() + 1e-5).all()  # one bf16 rounding

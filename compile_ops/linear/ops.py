@@ -1,8 +1,9 @@
 """``dsv41::fp8_linear``: schema, validation, fake, dispatch to the ``"linear"`` backends.
 
 A backend quantizes the activations of a call of more than its layout's
-``weight_only_tokens`` tokens (:class:`compile_ops.linear.BlockLayout`) per token per block of the weight's layout (128 values with fp32 scales, or 32 with
-power-of-two scales) as :func:`compile_ops.linear.quant.quantize_tokens` does (on CUDA a
+``weight_only_tokens`` tokens (:class:`compile_ops.linear.BlockLayout`) per token per
+block of the weight's layout (128 values with fp32 scales, or 32 with power-of-two
+scales) as :func:`compile_ops.linear.quant.quantize_tokens` does (on CUDA a
 one-launch Triton quantizer, equal bit for bit), takes a smaller call's activations in
 bf16, and multiplies them by the weight with fp32 accumulation.
 """

@@ -57,6 +57,8 @@ BLOCK = 128
 
 TILE_N = 128
 """Output columns per tile of the FP8 GEMMs; a group of a grouped projection holds whole tiles."""
+
+
 def layout_of_block(block) -> BlockLayout:
     """The :data:`LAYOUTS` entry of ``block`` (an int, or a checkpoint's
     ``weight_block_size`` pair), or ``ValueError`` naming the two there are."""

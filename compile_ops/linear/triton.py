@@ -186,8 +186,8 @@ def k_splits(M: int, N: int, K: int, block: int = BLOCK, tile_n: int = TILE_N, p
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       groups: int = 1) -> torch.Tensor:
     """bf16 ``[M, N]`` of ``x [M, groups * K]`` (bf16 or fp32; quantized per token per block
-    past the layout's ``weight_only_tokens``, else taken in bf16 against the weight dequantized in
-    registers) times e4m3 ``weight [N, K]`` (scales ``[ceil(N/block), ceil(K/block)]``, fp32
+    past the layout's ``weight_only_tokens``, else taken in bf16 against the weight
+    dequantized in registers) times e4m3 ``weight [N, K]`` (scales ``[ceil(N/block), ceil(K/block)]``, fp32
     or ue8m0) transposed, per group."""
     layout = layout_of_scale(weight_scale)
     block = layout.block
