@@ -1,4 +1,4 @@
-"""Triton indexer: scores on the tensor cores, then an exact radix-select top-k per token.
+"""Triton indexer: scores on the tensor cores, then an exact top-k per token.
 
 The op's tensors go to the kernels as given (the request-row checks, DCP shard counts,
 candidate restriction and the query's quantization happen inside), so a call is a few
@@ -15,8 +15,8 @@ capacity.
   (``-inf`` at holes and outside the candidate blocks) into a scores buffer.
 * the top-k (:func:`topk_of_rows`): ``_segment_topk_kernel`` holds a segment of a row in
   one program's registers, turns its scores into order-preserving 32-bit keys, finds the
-  ``k``-th largest key exactly by ``32 / TOPK_DIGIT`` radix passes (``tl.histogram`` of the
-  next digit among the keys that share the prefix so far) and keeps every entry above it
+  ``k``-th largest key exactly by bisection of the key range (each step one count over the
+  registers, at most 32 steps) and keeps every entry above it
   and the lowest-id ones equal to it, in id order. The kept entries of a row's segments
   are selected from again the same way until one program covers the row; that program
   sorts its ``k`` by (score descending, id ascending) with ``tl.sort``, or keeps them in
@@ -48,7 +48,6 @@ from compile_ops.mla.plan import num_sms
 BN = 64  # entries per scores block
 TOPK_SEGMENTS = (2048, 8192)  # entries one top-k program selects from (in its registers)
 TOPK_GATHER_SEGMENT = 4096  # ... when it gathers them through group ids (8192 spill registers)
-TOPK_DIGIT = 8  # bits per radix pass (32 / TOPK_DIGIT passes)
 TOPK_GROUP = 16  # entries per group of a long row's first selection
 TOPK_GROUPED_FROM = 4  # rows of at least this many k * TOPK_GROUP entries select groups first
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
@@ -185,35 +184,25 @@ def _block_max_kernel(scores, n, t2r, n_entries, out, n_out, s_st, s_ot, R, LW, 
 
 
 @triton.jit
-def _kth_key(key, ok, K, DIGIT: tl.constexpr):
-    """``(thr, need)``: the ``K``-th largest of the keys ``key`` where ``ok`` (all of them when
-    fewer), by ``32 / DIGIT`` radix passes (a ``tl.histogram`` of the next digit among the
-    keys that share the digits so far), and how many keys equal to it to keep."""
-    BINS: tl.constexpr = 1 << DIGIT
-    bits = key ^ -2147483648  # unsigned order as bits; the masks undo sign extension
-    prefix = tl.zeros([], tl.int32)
-    need = K
-    for p in tl.static_range(32 // DIGIT):
-        m = ok
-        if p > 0:
-            m = m & (((bits >> (32 - DIGIT * p)) & ((1 << (DIGIT * p)) - 1)) == prefix)
-        digit = (bits >> (32 - DIGIT * (p + 1))) & (BINS - 1)
-        prefix, need = _select(tl.histogram(digit, BINS, mask=m), prefix, need, p == 0, DIGIT)
-    return prefix ^ -2147483648, need
-
-
-@triton.jit
-def _select(h, prefix, need, FIRST: tl.constexpr, DIGIT: tl.constexpr):
-    """One radix pass's digit of the ``k``-th largest key, from the pass's histogram ``h``:
-    ``(prefix, need)`` extended by it, ``need`` the entries still to take at or below it
-    (the first pass: ``need`` is ``k``, at most the valid entries)."""
-    o_d = tl.arange(0, 1 << DIGIT)
-    if FIRST:
-        need = tl.minimum(need, tl.sum(h))
-    at_or_above = tl.cumsum(h, 0, reverse=True)
-    digit = tl.max(tl.where(at_or_above >= need, o_d, 0))
-    need -= tl.sum(tl.where(o_d == digit, at_or_above - h, 0))
-    return (prefix << DIGIT) | digit, need
+def _kth_key(key, ok, K):
+    """``(thr, need)``: the ``K``-th largest of the keys ``key`` where ``ok`` (the smallest of
+    them when fewer) and how many keys equal to it to keep, by bisection of the key range:
+    each step counts the keys at or above its middle (one reduction over the registers);
+    the search stops once exactly ``K`` keys are at or above its lower bound, or the range
+    is one key wide."""
+    want = tl.minimum(K, tl.sum(ok.to(tl.int32)))
+    lo = tl.min(tl.where(ok, key, 2147483647)).to(tl.int64)  # count(key >= lo) >= want
+    hi = tl.max(tl.where(ok, key, -2147483648)).to(tl.int64) + 1  # count(key >= hi) < want
+    at_lo = tl.sum(ok.to(tl.int32))
+    while (hi - lo > 1) & (at_lo != want):
+        mid = lo + (hi - lo) // 2
+        at_mid = tl.sum((ok & (key >= mid.to(tl.int32))).to(tl.int32))
+        up = at_mid >= want
+        lo = tl.where(up, mid, lo)
+        at_lo = tl.where(up, at_mid, at_lo)
+        hi = tl.where(up, hi, mid)
+    thr = tl.min(tl.where(ok & (key >= lo.to(tl.int32)), key, 2147483647))
+    return thr, want - tl.sum((ok & (key > thr)).to(tl.int32))
 
 
 @triton.jit
@@ -257,7 +246,7 @@ def _group_max_kernel(scores, n, gmax, n_groups, n_cand, s_st, s_gt, K, G: tl.co
 @triton.jit
 def _segment_topk_kernel(
     src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, s_src, s_ids, s_cand, s_out, K, PREV_COVER, COVER,
-    SOURCE: tl.constexpr, G: tl.constexpr, SEG: tl.constexpr, K_PAD: tl.constexpr, DIGIT: tl.constexpr,
+    SOURCE: tl.constexpr, G: tl.constexpr, SEG: tl.constexpr, K_PAD: tl.constexpr,
     LAST: tl.constexpr, SORTED: tl.constexpr,
 ):
     """One level of the top-k: program ``(t, s)`` holds entries ``[s * SEG, (s + 1) * SEG)``
@@ -293,7 +282,7 @@ def _segment_topk_kernel(
         thr = tl.full([], -2147483648, tl.int32)  # keep every valid entry ...
         need = K
         if tl.sum(valid.to(tl.int32)) > K:  # ... unless this program holds more than K
-            thr, need = _kth_key(key, ok, K, DIGIT)
+            thr, need = _kth_key(key, ok, K)
         eq = (ok & (key == thr)).to(tl.int32)
         keep = (ok & (key > thr)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < need))
         keep_i = keep.to(tl.int32)
@@ -326,7 +315,7 @@ def one_chunk(T, L: int) -> bool:
 def topk_segment(T, L: int, sms: int) -> int:
     """Entries per top-k program for ``T`` rows of ``L`` scores on ``sms`` SMs: the most (up
     to ``TOPK_SEGMENTS[1]``) that still give every SM a program, at least
-    ``TOPK_SEGMENTS[0]``: one program's radix passes take longer than another level's
+    ``TOPK_SEGMENTS[0]``: one program's search takes longer than another level's
     launch. A traced (symbolic) ``T`` counts as one row, since the segment sets compile-time
     sizes."""
     rows = T if isinstance(T, int) else 1
@@ -425,7 +414,7 @@ def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=N
         launchable(_segment_topk_kernel, src)[(T, level.programs)](
             src_vals, src_ids, n, n if n_src is None else n_src, cand_vals, cand_ids, ids, vals, src_vals.stride(0),
             src_ids.stride(0) if src_ids.dim() == 2 else 0, cand_vals.stride(0), ids.stride(0), k, prev_cover,
-            level.cover, SOURCE=level.source, G=TOPK_GROUP, SEG=level.seg, K_PAD=level.k_pad, DIGIT=TOPK_DIGIT,
+            level.cover, SOURCE=level.source, G=TOPK_GROUP, SEG=level.seg, K_PAD=level.k_pad,
             LAST=level.last, SORTED=level.sort, num_warps=level.warps,
         )
         src_vals, src_ids, prev_cover = cand_vals, cand_ids, level.cover
