@@ -107,15 +107,22 @@ class StepRows(NamedTuple):
     n_entries: Tensor
 
 
-def step_rows(inp: StepInputs, max_requests: int, max_seq_len: int, ratio: int) -> StepRows:
-    """:class:`StepRows` of a step (graph-safe: scatter reductions over the request rows)."""
+def step_rows(inp: StepInputs, max_requests: int, ratio: int) -> StepRows:
+    """:class:`StepRows` of a step (graph-safe). A request's ``n`` tokens are contiguous in
+    the step from index ``s`` at consecutive positions, so two sums over its row give both
+    ends: ``n`` and the sum of its token indices, ``n * s + n * (n - 1) / 2``. They are int32
+    scatter-adds, which Inductor compiles into its own kernels (it runs min / max and int64
+    scatters as ATen's)."""
     valid = inp.is_valid
     pos = inp.positions.long().clamp(min=0)
     row = torch.where(valid, inp.token_to_req.long(), max_requests)
-    first = torch.full((max_requests + 1,), max_seq_len, dtype=torch.long, device=pos.device)
-    last = torch.full((max_requests + 1,), -1, dtype=torch.long, device=pos.device)
-    first = first.scatter_reduce(0, row, pos, "amin")[row]
-    last = last.scatter_reduce(0, row, pos, "amax")[row]
+    t = torch.arange(pos.shape[0], dtype=torch.int32, device=pos.device)
+    sums = torch.zeros(2, max_requests + 1, dtype=torch.int32, device=pos.device)
+    sums = sums.scatter_add(1, row.expand(2, -1), torch.stack([torch.ones_like(t), t]))[:, row].long()
+    n = sums[0]
+    start = (sums[1] - n * (n - 1) // 2) // n  # the request's first token in the step
+    first = torch.where(valid, pos - (t - start), pos)
+    last = torch.where(valid, first + n - 1, pos)
     return StepRows(pos, row, valid, first, last, entry_counts(valid, pos, ratio))
 
 
@@ -161,7 +168,7 @@ def cmp_slot_mapping(positions: Tensor, token_to_req: Tensor, cmp_block_table: T
 
 def derive(inp: StepInputs, geometry: Geometry) -> StepInputs:
     """``inp`` with its :class:`StepRows` and SWA indices (graph-safe)."""
-    rows = step_rows(inp, geometry.max_requests, geometry.max_seq_len, geometry.ratio)
+    rows = step_rows(inp, geometry.max_requests, geometry.ratio)
     swa_idx, swa_lens = torch.ops.dsv41.swa_indices(inp.positions, inp.token_to_req, inp.swa_block_table,
                                                     geometry.page_size, geometry.window)
     return inp._replace(rows=rows, swa_idx=swa_idx, swa_lens=swa_lens)

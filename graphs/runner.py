@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from graphs.stack import DSV41Stack
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Inductor options of the step: combo kernels launch independent small kernels (norms, RoPE
+# of separate tensors, the compressor's and the indexer's pointwise work) as one, and at
+# small steps launches, not math, set the time
+STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
 
 
 class LayerStep(nn.Module):
@@ -87,7 +91,8 @@ class StepRunner:
         pages: the host-side page allocator (default: :meth:`PageAllocator.for_layer`).
         compile: ``torch.compile(fullgraph=True)`` the step (``False``: run it eagerly,
             still padded and, on CUDA, still captured).
-        backend: ``torch.compile`` backend (``"inductor"``).
+        backend: ``torch.compile`` backend (``"inductor"``, compiled with
+            :data:`STEP_INDUCTOR_OPTIONS`).
         cuda_graphs: capture graphs (default: when the layer is on CUDA).
 
     ``step()`` returns a view into a static output, valid until the next step.
@@ -124,7 +129,8 @@ class StepRunner:
         self.pages = pages if pages is not None else PageAllocator.for_layer(layer)
         self.module = LayerStep(layer, self.meta)
         self.compiled = compile
-        self.fn = torch.compile(self.module, fullgraph=True, backend=backend) if compile else self.module
+        options = STEP_INDUCTOR_OPTIONS if backend == "inductor" else None
+        self.fn = torch.compile(self.module, fullgraph=True, backend=backend, options=options) if compile else self.module
         device = layer.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.x = torch.zeros(max_tokens, layer.cfg.dim, dtype=torch.bfloat16, device=device)

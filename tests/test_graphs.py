@@ -494,3 +494,23 @@ def test_page_changes_name_each_table_entry_once():
         assert len(set(zip(rows.tolist(), cols.tolist()))) == len(rows)
         table.index_put_((rows.long(), cols.long()), new)
         assert torch.equal(table[0], mirror[0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 1000), st.integers(1, 5)), max_size=6, unique_by=lambda r: r[0]),
+       st.integers(0, 3))
+def test_step_rows_give_each_token_its_requests_first_and_last_position(runs, padding):
+    """A step's requests (contiguous tokens at consecutive positions, in any row order) and
+    padding: every valid token gets its request's lowest and highest position in the
+    step, padding its clamped position 0."""
+    from graphs.metadata import StepInputs, step_rows
+
+    pos = [p + i for _, p, n in runs for i in range(n)] + [-1] * padding
+    req = [r for r, _, n in runs for _ in range(n)] + [0] * padding
+    positions, token_to_req = torch.tensor(pos, dtype=torch.int32), torch.tensor(req, dtype=torch.int32)
+    inp = StepInputs(positions, token_to_req, positions >= 0, *([None] * 4))
+    rows = step_rows(inp, max_requests=8, ratio=2)
+    want_first = [p for _, p, n in runs for _ in range(n)] + [0] * padding
+    want_last = [p + n - 1 for _, p, n in runs for _ in range(n)] + [0] * padding
+    assert rows.first.tolist() == want_first and rows.last.tolist() == want_last
+    assert rows.row.tolist() == [r for r, _, n in runs for _ in range(n)] + [8] * padding
