@@ -130,13 +130,17 @@ class PageAllocator:
         if pos.shape != req.shape:
             raise ValueError(f"positions and token_to_req differ in length ({pos.size} vs {req.size})")
         R, n = len(self._length), pos.size
-        if n and (req.min() < 0 or req.max() >= R):
+        if np.count_nonzero(req.view(np.uint64) >= R):  # a negative row reads as a huge unsigned one
             i = int(np.flatnonzero((req < 0) | (req >= R))[0])
             raise ValueError(f"token {i}: request row {int(req[i])} is outside [0, {R})")
-        first = np.flatnonzero(np.concatenate(([True], req[1:] != req[:-1]))) if n else np.zeros(0, np.int64)
-        counts = np.concatenate((first[1:], [n])) - first
-        rows, p0 = req[first], pos[first]
-        if first.size < n:  # some request has several tokens: at consecutive positions?
+        starts = req[1:] != req[:-1]
+        if n <= 1 or np.count_nonzero(starts) == n - 1:  # one token per run (decode): the runs are the tokens
+            rows, p0, counts = req, pos, np.ones(n, np.int64)
+        else:
+            first = np.flatnonzero(np.concatenate(([True], starts)))
+            counts = np.concatenate((first[1:], [n])) - first
+            rows, p0 = req[first], pos[first]
+        if rows.size < n:  # some request has several tokens: at consecutive positions?
             expected = np.repeat(p0 - first, counts) + np.arange(n)
             if np.count_nonzero(pos != expected):
                 i = int(np.flatnonzero(pos != expected)[0])

@@ -21,6 +21,7 @@ import bisect
 import contextlib
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -208,17 +209,19 @@ class StepRunner:
             raise ValueError(f"x must be the step's hidden states [n, dim = {dim}] (bf16), got {got}")
         positions, token_to_req = _host_ints(positions, "positions"), _host_ints(token_to_req, "token_to_req")
         n = x.shape[0]
-        if positions.shape != (n,):
-            raise ValueError(f"positions must be [n] = [{n}] like x's tokens, got {tuple(positions.shape)}")
+        if positions.shape != (n,) or token_to_req.shape != (n,):
+            raise ValueError(f"positions and token_to_req must be [n] = [{n}] like x's tokens, got "
+                             f"{positions.shape} and {token_to_req.shape}")
         size = self.bucket_for(n)
-        self.trace()
+        if self.compiled and not self._traced:
+            self.trace()
         self.pages.plan(positions, token_to_req)
         swa, cmp = self.pages.take_changes()
         ratios = list(cmp) if isinstance(cmp, dict) else None  # a stack: one table per ratio
         tables = [cmp[r] for r in ratios] if ratios is not None else [cmp]
-        positions, token_to_req, swa, *tables = self._to_device(size, positions, token_to_req, swa, *tables)
+        ints, swa, *tables = self._to_device(size, positions, token_to_req, swa, *tables)
         self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
-        self.meta.update(positions, token_to_req, bucket=size)
+        self.meta.ints[:, :size].copy_(ints, non_blocking=True)  # StepMetadata.update, padding included
         self.x[:n].copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
             if size not in self.graphs:
@@ -230,28 +233,28 @@ class StepRunner:
         self.pages.trim()
         return out
 
-    def _to_device(self, size: int, positions: Tensor, token_to_req: Tensor, *changes):
-        """The step's host integers staged for the layer's device: ``positions`` /
-        ``token_to_req`` padded to the bucket's ``size`` (padding: position ``-1``, request
-        row 0), for :meth:`StepMetadata.update` to copy straight into its buffer, and the
-        ``PageChanges`` triples (``None`` skipped) moved in one copy. They are written into
-        one pinned buffer from torch's caching host allocator, which reuses a buffer only
-        once its last copy has finished: a copy from pageable memory would wait for the
-        stream to drain, holding the host until the GPU is idle."""
+    def _to_device(self, size: int, positions: np.ndarray, token_to_req: np.ndarray, *changes):
+        """The step's host integers staged for the layer's device: ``[2, size]`` int32, the
+        ``[n]`` ``positions`` and ``token_to_req`` padded to the bucket's ``size`` (padding:
+        position ``-1``, request row 0), the rows of :class:`StepMetadata`'s ``ints``, and
+        the ``PageChanges`` triples (``None`` skipped) moved in one copy. They are written
+        into one pinned buffer from torch's caching host allocator, which reuses a buffer
+        only once its last copy has finished: a copy from pageable memory would wait for
+        the stream to drain, holding the host until the GPU is idle."""
         device = self.meta.ints.device
-        n = positions.numel()
+        n = positions.size
         flat = [t for part in changes if part is not None for t in part]
         lengths = [t.numel() for t in flat]
         stage = torch.empty(2 * size + sum(lengths), dtype=torch.int32, pin_memory=device.type == "cuda")
         host = stage.numpy()
-        host[:n], host[n:size] = positions.numpy(), -1
-        host[size:size + n], host[size + n:2 * size] = token_to_req.numpy(), 0
+        host[:n], host[n:size] = positions, -1
+        host[size:size + n], host[size + n:2 * size] = token_to_req, 0
         at = 2 * size
         for t in flat:
             host[at:at + t.numel()] = t.numpy()
             at += t.numel()
         moved = iter(stage[2 * size:].to(device, non_blocking=True).split(lengths) if flat else ())
-        return (stage[:size], stage[size:2 * size],
+        return (stage[:2 * size].view(2, size),
                 *(None if part is None else tuple(next(moved) for _ in part) for part in changes))
 
     def release(self, row: int) -> None:
@@ -259,15 +262,16 @@ class StepRunner:
         self.pages.release(row)
 
 
-def _host_ints(values, name: str) -> Tensor:
+def _host_ints(values, name: str) -> np.ndarray:
+    """A step's host integers (a CPU integer tensor or a sequence of ints) as an int64 array."""
     if isinstance(values, Tensor):
         if values.device.type != "cpu":
             raise ValueError(f"{name} must be host (CPU) integers: the page allocator plans each step on the host "
                              f"(got a {values.device.type} tensor)")
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {values.dtype}")
-        return values.to(torch.int32)
+        return values.numpy().astype(np.int64, copy=False)  # (integer tensors never require grad)
     values = list(values)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name} must be ints, got {[type(v).__name__ for v in values if not isinstance(v, int)][:3]}")
-    return torch.tensor(values, dtype=torch.int32)
+    return np.array(values, dtype=np.int64)

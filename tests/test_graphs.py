@@ -188,6 +188,12 @@ def test_a_rewind_past_max_rewind_and_bad_layouts_are_refused():
             runner.step(x(1), i32(0), i32(4))
         with pytest.raises(ValueError, match="1..8 tokens"):
             runner.step(x(9), torch.arange(9, dtype=I32), torch.zeros(9, dtype=I32))
+        with pytest.raises(ValueError, match=r"positions and token_to_req must be \[n\] = \[2\]"):
+            runner.step(x(2), i32(6, 7), i32(0))
+        with pytest.raises(TypeError, match="integer tensor"):
+            runner.step(x(1), torch.tensor([6.0]), i32(0))
+        with pytest.raises(TypeError, match="must be ints"):
+            runner.step(x(1), [True], [0])
         assert runner.pages.length[:2] == [6, 0]  # refused steps change nothing
         runner.release(0)
         runner.step(x(1), i32(0), i32(0))  # a released row starts over
