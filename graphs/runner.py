@@ -221,7 +221,9 @@ class StepRunner:
         tables = [cmp[r] for r in ratios] if ratios is not None else [cmp]
         ints, swa, *tables = self._to_device(size, positions, token_to_req, swa, *tables)
         self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
-        self.meta.ints[:, :size].copy_(ints, non_blocking=True)  # StepMetadata.update, padding included
+        for row in range(2):  # StepMetadata.update, padding included; each row one contiguous copy (a
+            # strided one would go through a device temporary and a copy kernel)
+            self.meta.ints[row, :size].copy_(ints[row], non_blocking=True)
         self.x[:n].copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
             if size not in self.graphs:
