@@ -291,6 +291,15 @@ class StepMetadata(nn.Module):
             self.ints[0, n:bucket].fill_(-1)
         return n
 
+    def update_padded(self, ints: Tensor) -> None:
+        """:meth:`update` from a staged ``[2, bucket]`` int32 block, padding included: row 0
+        the positions (``-1`` past the step's tokens), row 1 the request rows (``0`` there),
+        as :class:`graphs.StepRunner` stages them. Each row is one contiguous copy
+        (``non_blocking``; a strided copy would go through a device temporary and a copy
+        kernel)."""
+        for row in range(2):
+            self.ints[row, :ints.shape[1]].copy_(ints[row], non_blocking=True)
+
     def apply_pages(self, swa: Optional[PageChanges] = None,
                     cmp: Union[None, PageChanges, dict[int, Optional[PageChanges]]] = None) -> None:
         """Set block-table entries (``PageChanges`` of :meth:`graphs.PageAllocator.take_changes`:

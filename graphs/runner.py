@@ -221,9 +221,7 @@ class StepRunner:
         tables = [cmp[r] for r in ratios] if ratios is not None else [cmp]
         ints, swa, *tables = self._to_device(size, positions, token_to_req, swa, *tables)
         self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
-        for row in range(2):  # StepMetadata.update, padding included; each row one contiguous copy (a
-            # strided one would go through a device temporary and a copy kernel)
-            self.meta.ints[row, :size].copy_(ints[row], non_blocking=True)
+        self.meta.update_padded(ints)
         self.x[:n].copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
             if size not in self.graphs:
@@ -238,7 +236,7 @@ class StepRunner:
     def _to_device(self, size: int, positions: np.ndarray, token_to_req: np.ndarray, *changes):
         """The step's host integers staged for the layer's device: ``[2, size]`` int32, the
         ``[n]`` ``positions`` and ``token_to_req`` padded to the bucket's ``size`` (padding:
-        position ``-1``, request row 0), the rows of :class:`StepMetadata`'s ``ints``, and
+        position ``-1``, request row 0) for :meth:`StepMetadata.update_padded`, and
         the ``PageChanges`` triples (``None`` skipped) moved in one copy. They are written
         into one pinned buffer from torch's caching host allocator, which reuses a buffer
         only once its last copy has finished: a copy from pageable memory would wait for
