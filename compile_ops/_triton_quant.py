@@ -94,3 +94,41 @@ def e4m3_to_bf16(x):
         is_pure=True,
         pack=2,
     )
+
+
+@triton.jit
+def e4m3_to_fp32_bits(x):
+    """e4m3 ``x`` as fp32 times ``2**-120``, exactly, in three integer instructions per
+    element (CUDA only: inline PTX).
+
+    ``prmt`` moves a byte ``s eeee mmm`` to bits 31:24, an arithmetic shift right by 4
+    copies the sign into 30:27, and a mask keeps bit 31 and bits 26:20: fp32's bits
+    ``s 0000eeee mmm0...``, the e4m3 value times ``2**-120`` for normals and subnormals
+    alike (the bias of fp32 is 120 larger; e4m3's subnormals become fp32 subnormals). The
+    caller folds the ``2**120`` into the other factor: no rebias per element. The e4m3 NaN
+    byte comes out as ``480 * 2**-120``: weights hold none.
+    """
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 t;
+        prmt.b32 t, $4, 0, 0x0444;
+        shr.s32 t, t, 4;
+        and.b32 $0, t, 0x87F00000;
+        prmt.b32 t, $4, 0, 0x1444;
+        shr.s32 t, t, 4;
+        and.b32 $1, t, 0x87F00000;
+        prmt.b32 t, $4, 0, 0x2444;
+        shr.s32 t, t, 4;
+        and.b32 $2, t, 0x87F00000;
+        prmt.b32 t, $4, 0, 0x3444;
+        shr.s32 t, t, 4;
+        and.b32 $3, t, 0x87F00000;
+        }
+        """,
+        "=r,=r,=r,=r,r",
+        [x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )

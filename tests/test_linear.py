@@ -111,7 +111,7 @@ def test_decode_sized_calls_are_weight_only(block):
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("M, N, K, splits", [(1, 64, 64, 1), (3, 200, 300, 3), (20, 128, 256, 2), (17, 384, 130, 2),
-                                             (2, 128, 1024, 8), (70, 256, 640, 5), (600, 2048, 256, 1)])
+                                             (2, 128, 1024, 8), (70, 256, 640, 5), (600, 2048, 256, 1), (1, 200, 1300, 11)])
 def test_triton_kernel_equals_the_reference(M, N, K, splits, block):
     """Quantized inside the GEMM as ``quantize_tokens`` does, with K split over ``splits``
     programs per tile (fewer tiles than two per SM) or not (600 x 2048: 160 tiles)."""
@@ -219,6 +219,16 @@ for sb, bm, bn, bk, swap in ((0, 16, 128, 128, False), (32, 16, 64, 128, True), 
                  "UPCAST": False, "SB": sb, "SWAP": swap})
     # the weights widen to bf16 in integer arithmetic, not through the conversion unit
     print(f"bf16x{sb or 128}x{bm}", "wgmma" in ptx or "mma.sync" in ptx, "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx)
+# decode calls of a token or two: the GEMV on the CUDA cores, widening without the
+# conversion unit, and fp32 FMAs that keep subnormals (e4m3 subnormals widen to fp32 ones)
+gemv = {"x": "*bf16", "w": "*fp8e4nv", "w_s": "", "c": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+        "stride_wn": "i32", "stride_sn": "i32", "stride_cm": "i32", "GROUP_N": "i32", "BLOCKS_PER_SPLIT": "i32",
+        "BN": "constexpr", "BK": "constexpr", "SB": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr",
+        "E8M0": "constexpr", "UPCAST": "constexpr"}
+for sb, scale in ((128, "*fp32"), (32, "*u8")):
+    ptx = build(kernels._fp8_gemv_kernel, {**gemv, "w_s": scale},
+                {"BN": 16, "BK": 512, "SB": sb, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "UPCAST": False})
+    print(f"gemv{sb}", "fma.rn.f32" in ptx and ".ftz" not in ptx and "e4m3x2" not in ptx and "mma" not in ptx)
 quant = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
          "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "POW2": "constexpr"}
 for bk in (128, 32):
@@ -247,6 +257,48 @@ def test_the_weight_widening_bit_rule_gives_every_e4m3_value():
     assert torch.equal(got[finite].signbit(), want[finite].signbit())
 
 
+def test_the_gemv_bit_rule_gives_every_e4m3_value():
+    """:func:`compile_ops._triton_quant.e4m3_to_fp32_bits`'s PTX on every byte of each of
+    the four positions of a packed register: ``prmt`` puts the byte in bits 31:24, an
+    arithmetic shift right by 4 and the mask ``0x87F00000`` leave fp32's bits, whose value
+    times ``2**120`` is the e4m3 value (NaN bytes aside), subnormals and ``-0`` included."""
+    b = np.arange(256, dtype=np.uint32)
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    finite = ~e4m3.isnan()
+    for j in range(4):
+        word = b << (8 * j)  # the byte at position j of the register, the others zero
+        source = [(word >> (8 * i)) & 0xFF for i in range(4)] + [np.zeros_like(word)] * 4
+        t = sum(source[((j << 12 | 0x444) >> (4 * i)) & 7] << (8 * i) for i in range(4))  # prmt t, $4, 0, 0xj444
+        bits = (t.astype(np.int32) >> 4) & np.int32(-0x78100000)  # shr.s32 4; and 0x87F00000
+        got = torch.from_numpy(bits.view(np.float32).copy()).double() * 2.0**120
+        assert torch.equal(got[finite], e4m3[finite])
+        assert torch.equal(got[finite].signbit(), e4m3[finite].signbit())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", BLOCKS)
+def test_gpu_decode_gemv_reads_every_e4m3_value_exactly(block):
+    """Calls of ``GEMV_TOKENS`` tokens run on the CUDA cores: a one-hot token picks one
+    weight column, which comes back exactly for every finite e4m3 byte (subnormals
+    included: no flush to zero) times its power-of-two block scale."""
+    from compile_ops.linear.triton import GEMV_TOKENS, fp8_linear_triton
+
+    M = GEMV_TOKENS
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]
+    N, K = 256, 512
+    wq = codes.repeat(N * K // len(codes) + 1)[:N * K].view(N, K).view(torch.float8_e4m3fn).cuda()
+    nb, kb = N // block, K // block
+    exponents = torch.arange(nb * kb).view(nb, kb) % 7 - 3  # block scales 2**-3 .. 2**3
+    ws = (2.0 ** exponents).to(LAYOUTS[block].scale_dtype).cuda()
+    want = (wq.float() * ws.float().repeat_interleave(block, 0).repeat_interleave(block, 1)).t()  # [K, N]
+    for k0 in range(0, K, M):
+        x = torch.zeros(M, K, dtype=torch.bfloat16, device="cuda")
+        x[torch.arange(M), k0 + torch.arange(M)] = 1
+        got = fp8_linear_triton(x, wq, ws).float()
+        assert torch.equal(got, want[k0:k0 + M]), k0
+
+
 def test_kernel_builds_for_sm90():
     """The launches the GPU runs (GEMM tiles of 16 and 64 rows, both layouts, weight-only
     tiles, the quantizer), compiled for
@@ -263,7 +315,7 @@ def test_kernel_builds_for_sm90():
     # tensor-core MMAs, and correctly rounded divisions in the quantizer
     assert run.stdout.split() == ["16x128", "True", "16x32", "True", "64x128", "True", "64x32", "True",
                                   "bf16x128x16", "True", "True", "bf16x32x16", "True", "True", "bf16x32x64", "True", "True", "bf16x32x128", "True", "True",
-                                  "quant128", "True", "quant32", "True"], run.stdout
+                                  "gemv128", "True", "gemv32", "True", "quant128", "True", "quant32", "True"], run.stdout
 
 
 @pytest.mark.parametrize("block", BLOCKS)

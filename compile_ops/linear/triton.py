@@ -29,12 +29,17 @@ import triton
 import triton.language as tl
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops._triton_quant import e4m3_to_bf16, round_to_e4m3
+from compile_ops._triton_quant import e4m3_to_bf16, e4m3_to_fp32_bits, round_to_e4m3
 from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, layout_of_block, layout_of_scale
 
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
 TARGET_PROGRAMS = 264
 QUANT_ROWS = 16  # token rows per program of the quantizer
+# calls of at most this many tokens are GEMVs on the CUDA cores: one FMA per weight element
+# leaves issue slots that the MMA path spends widening weight tiles into operand layouts;
+# from two tokens on the MMA path is faster (docs/performance-decode.md has the sweep)
+GEMV_TOKENS = 1
+GEMV_PROGRAMS = 3 * TARGET_PROGRAMS // 2  # three per SM
 
 
 def weight_only_tile(M: int) -> tuple[int, int, int, bool, int]:
@@ -159,6 +164,52 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
+def _fp8_gemv_kernel(
+    x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, stride_cm, GROUP_N, BLOCKS_PER_SPLIT,
+    BN: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, ITERS: tl.constexpr, PARTIAL: tl.constexpr,
+    E8M0: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # program (m, n, s): token m's outputs of weight rows n * BN .., over split s of the BK
+    # blocks of K, on the CUDA cores (fp32 FMAs). BN divides SB: the tile's rows share one
+    # row of scales, folded into the token's values once per step, so each weight element
+    # costs its three-instruction widening and one FMA. Each thread's 16 consecutive
+    # products are summed in registers (one accumulator per 16 columns, not per column)
+    i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    m_n = o_n < N
+    i_g = (i_n * BN) // GROUP_N  # grouped: this tile's group reads its own K columns of x
+    x += i_m.to(tl.int64) * stride_xm + i_g.to(tl.int64) * K
+    s_row = w_s + ((i_n * BN) // SB).to(tl.int64) * stride_sn
+    acc = tl.zeros([BN, BK // 16], tl.float32)
+    first = i_s * BLOCKS_PER_SPLIT
+    steps = ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)
+    for j in range(0, steps):
+        k = (first + j) * BK + o_k
+        m_k = k < K
+        if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
+            scale = (tl.load(s_row + k // SB, mask=m_k, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        else:
+            scale = tl.load(s_row + k // SB, mask=m_k, other=0.0)
+        # the weights' 2 ** 120 split between the token (2 ** 64) and the sum (2 ** 56): that
+        # overflows only past |token * scale| = 2 ** 64 and underflows only below |y| = 2 ** -70
+        xs = tl.load(x + k, mask=m_k, other=0.0).to(tl.float32) * (scale * 18446744073709551616.0)
+        t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=m_n[:, None] & m_k[None, :],
+                      other=0.0)
+        if UPCAST:
+            w_bits = t_w.to(tl.float32) * 7.52316384526264e-37  # 2 ** -120
+        else:
+            w_bits = e4m3_to_fp32_bits(t_w)
+        acc += tl.sum(tl.reshape(w_bits * xs[None, :], [BN, BK // 16, 16]), axis=2)
+    y = tl.sum(acc, axis=1) * 72057594037927936.0  # 2 ** 56
+    out = c + i_m.to(tl.int64) * stride_cm + o_n
+    if PARTIAL:
+        tl.store(out + i_s.to(tl.int64) * M * N, y, mask=m_n)
+    else:
+        tl.store(out, y.to(tl.bfloat16), mask=m_n)
+
+
+@triton.jit
 def _sum_splits_kernel(partials, c, MN, SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     o = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     m = o < MN
@@ -166,6 +217,18 @@ def _sum_splits_kernel(partials, c, MN, SPLITS: tl.constexpr, BLOCK_SIZE: tl.con
     for s in tl.static_range(SPLITS):
         acc += tl.load(partials + s * MN + o, mask=m, other=0.0)
     tl.store(c + o, acc.to(tl.bfloat16), mask=m)
+
+
+def gemv_tile(N: int, K: int) -> tuple[int, int]:
+    """``(BN, BK)`` of a call of :data:`GEMV_TOKENS` tokens, the best of H200 sweeps
+    (``docs/performance-decode.md``): weight rows per program, the most up to 32 that leave
+    :data:`GEMV_PROGRAMS` programs per token; K per step, the widest of 1024 / 512 / 256
+    that divides K (a partial last step idles lanes on every row)."""
+    BN = 32
+    while BN > 4 and triton.cdiv(N, BN) < GEMV_PROGRAMS:
+        BN //= 2
+    BK = next((bk for bk in (1024, 512) if K % bk == 0), 256)
+    return BN, BK
 
 
 def tile_rows(M: int) -> int:
@@ -202,6 +265,16 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     if layout.power_of_two:
         weight_scale = weight_scale.view(torch.uint8)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if M <= GEMV_TOKENS:
+        BN, BK = gemv_tile(N, K)
+        splits = k_splits(M, N, K, BK, BN, GEMV_PROGRAMS, 1)
+        per_split = triton.cdiv(triton.cdiv(K, BK), splits)
+        target = _split_target(splits, M, N, out)
+        launchable(_fp8_gemv_kernel, x)[(M, triton.cdiv(N, BN), splits)](
+            xq, weight, weight_scale, target, M, N, K, xq.stride(0), weight.stride(0), weight_scale.stride(0), N,
+            N // groups, per_split, BN=BN, BK=BK, SB=block, ITERS=per_split if INTERPRET else 0,
+            PARTIAL=splits > 1, E8M0=layout.power_of_two, UPCAST=INTERPRET, num_warps=4)
+        return _sum_splits(target, out)
     # a weight-only call of 32-blocks steps through K several scale blocks per dot
     wide = weight_only and layout.power_of_two
     BM, BN, step, swap, programs = (weight_only_tile(M) if wide
@@ -209,16 +282,25 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     k_blocks = triton.cdiv(K, step)
     splits = k_splits(M, N, K, step, BN, programs, BM)
     per_split = triton.cdiv(k_blocks, splits)
-    partial = splits > 1
-    target = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if partial else out
+    target = _split_target(splits, M, N, out)
     launchable(_fp8_gemm_kernel, x)[(triton.cdiv(M, BM), triton.cdiv(N, BN), splits)](
         xq, x_scale, weight, weight_scale, target, M, N, K, xq.stride(0), x_scale.stride(0), x_scale.stride(1),
         weight.stride(0), weight_scale.stride(0), N, N // groups, per_split,
-        BM=BM, BN=BN, BK=step, ITERS=per_split if INTERPRET else 0, PARTIAL=partial, E8M0=layout.power_of_two,
+        BM=BM, BN=BN, BK=step, ITERS=per_split if INTERPRET else 0, PARTIAL=splits > 1, E8M0=layout.power_of_two,
         BF16_A=weight_only, UPCAST=INTERPRET, SB=block if wide else 0, SWAP=swap,
         num_warps=4 if wide or BM > 16 else 8,
     )
-    if partial:
-        launchable(_sum_splits_kernel, x)[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLITS=splits,
-                                                                      BLOCK_SIZE=1024)
+    return _sum_splits(target, out)
+
+
+def _split_target(splits: int, M: int, N: int, out: torch.Tensor) -> torch.Tensor:
+    """Where a GEMM's programs write: ``out``, or fp32 partials ``[splits, M, N]`` when K is split."""
+    return torch.empty(splits, M, N, dtype=torch.float32, device=out.device) if splits > 1 else out
+
+
+def _sum_splits(target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (bf16 ``[M, N]``) holding the sum of ``target``'s partials in split order."""
+    if target is not out:
+        launchable(_sum_splits_kernel, out)[(triton.cdiv(out.numel(), 1024),)](
+            target, out, out.numel(), SPLITS=target.shape[0], BLOCK_SIZE=1024)
     return out
