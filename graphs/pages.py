@@ -146,7 +146,7 @@ class PageAllocator:
                 i = int(np.flatnonzero(pos != expected)[0])
                 raise ValueError(f"token {i}: request {int(req[i])}'s tokens must be at consecutive positions "
                                  f"({int(expected[i])} expected, got {int(pos[i])})")
-        if rows.size and np.bincount(rows).max() > 1:
+        if rows.size > 1 and np.bincount(rows).max() > 1:
             raise ValueError("each request's tokens must be contiguous in the step (a request appears in two runs)")
         max_seq_len, rewind = self.cache.max_seq_len, self.cache.max_rewind
         length, high = self._length[rows], self._high[rows]
@@ -299,6 +299,8 @@ class PageAllocator:
 
 def _host_array(values: Sequence[int] | Tensor) -> np.ndarray:
     """Host integers (a CPU tensor or a sequence) as a flat int64 array."""
+    if type(values) is np.ndarray and values.dtype == np.int64:  # as StepRunner passes them
+        return values.reshape(-1)
     if isinstance(values, Tensor):
         return values.detach().numpy().reshape(-1).astype(np.int64, copy=False)
     return np.asarray(values, dtype=np.int64).reshape(-1)

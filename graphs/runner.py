@@ -37,6 +37,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # of separate tensors, the compressor's and the indexer's pointwise work) as one, and at
 # small steps launches, not math, set the time
 STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
+STAGING_DEPTH = 4
+"""Pinned buffers a :class:`StepRunner` stages its steps' integers in, used in turn: the
+host may plan this many steps ahead of the GPU before it waits for a buffer's copy."""
 
 
 class LayerStep(nn.Module):
@@ -135,6 +138,17 @@ class StepRunner:
         device = layer.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.x = torch.zeros(max_tokens, layer.cfg.dim, dtype=torch.bfloat16, device=device)
+        # the steps' integers, staged in turn in pinned buffers (with the event of the copy
+        # that read each): no allocation per step, and a buffer is rewritten only once its
+        # copy ran; a copy from pageable memory would wait for the stream to drain
+        pinned = device.type == "cuda"
+        self._staged = [torch.empty(self.meta.ints.shape, dtype=torch.int32, pin_memory=pinned)
+                        for _ in range(STAGING_DEPTH)]
+        self._staged_host = [t.numpy() for t in self._staged]
+        for host in self._staged_host:
+            host[0], host[1] = -1, 0
+        self._staged_copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING_DEPTH)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.captures = 0
@@ -219,43 +233,51 @@ class StepRunner:
         swa, cmp = self.pages.take_changes()
         ratios = list(cmp) if isinstance(cmp, dict) else None  # a stack: one table per ratio
         tables = [cmp[r] for r in ratios] if ratios is not None else [cmp]
-        ints, swa, *tables = self._to_device(size, positions, token_to_req, swa, *tables)
+        swa, *tables = self._to_device(swa, *tables)
         self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
-        self.meta.update_padded(ints)
+        self._stage(size, positions, token_to_req)
         self.x[:n].copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
             if size not in self.graphs:
                 raise RuntimeError(f"bucket {size} was not captured; call capture() first")
             self.graphs[size].replay()
-            out = self.outputs[size][:n]
+            out = self.outputs[size] if n == size else self.outputs[size][:n]
         else:
             out = self.run(size)[:n]
         self.pages.trim()
         return out
 
-    def _to_device(self, size: int, positions: np.ndarray, token_to_req: np.ndarray, *changes):
-        """The step's host integers staged for the layer's device: ``[2, size]`` int32, the
-        ``[n]`` ``positions`` and ``token_to_req`` padded to the bucket's ``size`` (padding:
-        position ``-1``, request row 0) for :meth:`StepMetadata.update_padded`, and
-        the ``PageChanges`` triples (``None`` skipped) moved in one copy. They are written
-        into one pinned buffer from torch's caching host allocator, which reuses a buffer
-        only once its last copy has finished: a copy from pageable memory would wait for
-        the stream to drain, holding the host until the GPU is idle."""
-        device = self.meta.ints.device
-        n = positions.size
+    def _stage(self, size: int, positions: np.ndarray, token_to_req: np.ndarray) -> None:
+        """Copy the step's ``[n]`` integers, padded to the bucket's ``size`` (position
+        ``-1``, request row 0), into the layer's metadata through the next pinned buffer
+        (:meth:`StepMetadata.update_padded`)."""
+        i = self._turn
+        self._turn = (i + 1) % STAGING_DEPTH
+        copied, host, n = self._staged_copied[i], self._staged_host[i], positions.size
+        if copied is not None:
+            copied.synchronize()  # at once, unless the GPU is STAGING_DEPTH steps behind
+        host[0, :n], host[0, n:size] = positions, -1
+        host[1, :n], host[1, n:size] = token_to_req, 0
+        self.meta.update_padded(self._staged[i], size)
+        if copied is not None:
+            copied.record()
+
+    def _to_device(self, *changes):
+        """The ``PageChanges`` triples (``None`` skipped) moved to the layer's device in one
+        copy, from one pinned buffer of torch's caching host allocator (which reuses a
+        buffer only once its copy has finished)."""
         flat = [t for part in changes if part is not None for t in part]
+        if not flat:
+            return changes
+        device = self.meta.ints.device
         lengths = [t.numel() for t in flat]
-        stage = torch.empty(2 * size + sum(lengths), dtype=torch.int32, pin_memory=device.type == "cuda")
-        host = stage.numpy()
-        host[:n], host[n:size] = positions, -1
-        host[size:size + n], host[size + n:2 * size] = token_to_req, 0
-        at = 2 * size
+        stage = torch.empty(sum(lengths), dtype=torch.int32, pin_memory=device.type == "cuda")
+        host, at = stage.numpy(), 0
         for t in flat:
             host[at:at + t.numel()] = t.numpy()
             at += t.numel()
-        moved = iter(stage[2 * size:].to(device, non_blocking=True).split(lengths) if flat else ())
-        return (stage[:2 * size].view(2, size),
-                *(None if part is None else tuple(next(moved) for _ in part) for part in changes))
+        moved = iter(stage.to(device, non_blocking=True).split(lengths))
+        return tuple(None if part is None else tuple(next(moved) for _ in part) for part in changes)
 
     def release(self, row: int) -> None:
         """A request finished: give its pages back (:meth:`PageAllocator.release`)."""
