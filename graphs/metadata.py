@@ -291,22 +291,18 @@ class StepMetadata(nn.Module):
             self.ints[0, n:bucket].fill_(-1)
         return n
 
-    def update_padded(self, staged: Tensor, bucket: int) -> None:
+    def update_padded(self, staged: Tensor) -> None:
         """:meth:`update` from a staged host block ``[2, max_tokens]`` int32 (pinned, for an
-        asynchronous copy) whose first ``bucket`` columns hold the step, padding included:
-        row 0 the positions (``-1`` past the step's tokens), row 1 the request rows (``0``
-        there), as :class:`graphs.StepRunner` stages them. It is one contiguous copy
-        (``non_blocking``) of the block's first ``max_tokens + bucket`` values: row 0 comes
-        whole, its columns past ``bucket`` too, which nothing of a ``bucket``-token step
-        reads (a copy of two row pieces costs a second copy call, a strided one a device
-        temporary and a copy kernel)."""
-        if tuple(staged.shape) != tuple(self.ints.shape) or staged.dtype != torch.int32:
+        asynchronous copy) whose first ``b`` columns hold a ``b``-token step, padding
+        included: row 0 the positions (``-1`` past the step's tokens), row 1 the request
+        rows (``0`` there), as :class:`graphs.StepRunner` stages them. The whole block is one
+        contiguous copy (``non_blocking``); its columns past ``b``, which nothing of a
+        ``b``-token step reads, come along (slicing the two rows would cost host time per
+        step, a strided copy a device temporary and a copy kernel)."""
+        if staged.shape != self.ints.shape or staged.dtype != torch.int32:
             raise ValueError(f"staged must be int32 {list(self.ints.shape)} (2 x max_tokens), got "
                              f"{staged.dtype} {list(staged.shape)}")
-        if not 1 <= bucket <= self.max_tokens:
-            raise ValueError(f"bucket must be in [1, max_tokens={self.max_tokens}], got {bucket}")
-        span = self.max_tokens + bucket
-        self.ints.view(-1)[:span].copy_(staged.view(-1)[:span], non_blocking=True)
+        self.ints.copy_(staged, non_blocking=True)
 
     def apply_pages(self, swa: Optional[PageChanges] = None,
                     cmp: Union[None, PageChanges, dict[int, Optional[PageChanges]]] = None) -> None:

@@ -133,7 +133,7 @@ class PageAllocator:
         if np.count_nonzero(req.view(np.uint64) >= R):  # a negative row reads as a huge unsigned one
             i = int(np.flatnonzero((req < 0) | (req >= R))[0])
             raise ValueError(f"token {i}: request row {int(req[i])} is outside [0, {R})")
-        starts = req[1:] != req[:-1]
+        starts = req[1:] != req[:-1] if n > 1 else None
         if n <= 1 or np.count_nonzero(starts) == n - 1:  # one token per run (decode): the runs are the tokens
             rows, p0, counts = req, pos, np.ones(n, np.int64)
         else:
@@ -215,9 +215,10 @@ class PageAllocator:
             if len(entries) > self._pools[kind].num_free:
                 self._pools[kind].take_many(len(entries))  # raises: the pool is short
         for kind, entries in wanted.items():
-            table, changes = self._tables[kind], self._changes[kind]
-            for (r, col), page in zip(entries, self._pools[kind].take_many(len(entries))):
-                table[r, col] = changes[r, col] = page
+            if entries:
+                table, changes = self._tables[kind], self._changes[kind]
+                for (r, col), page in zip(entries, self._pools[kind].take_many(len(entries))):
+                    table[r, col] = changes[r, col] = page
         for ratio, (at, need) in grown.items():
             self._given[ratio][at] = need
         self._length[rows] = end
@@ -258,6 +259,8 @@ class PageAllocator:
         """``(swa, cmp)`` block-table changes since the last call, for
         :meth:`graphs.StepMetadata.apply_pages` (``None`` where nothing changed); ``cmp`` is
         ``{ratio: changes}`` for an allocator of several ratios."""
+        if not any(self._changes.values()):  # most decode steps
+            return None, (None if self.single else dict.fromkeys(self.ratios))
         out = {}
         for kind, entries in self._changes.items():
             out[kind] = None

@@ -233,8 +233,9 @@ class StepRunner:
         swa, cmp = self.pages.take_changes()
         ratios = list(cmp) if isinstance(cmp, dict) else None  # a stack: one table per ratio
         tables = [cmp[r] for r in ratios] if ratios is not None else [cmp]
-        swa, *tables = self._to_device(swa, *tables)
-        self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
+        if swa is not None or any(t is not None for t in tables):  # a new page, or one given back
+            swa, *tables = self._to_device(swa, *tables)
+            self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
         self._stage(size, positions, token_to_req)
         self.x[:n].copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
@@ -258,7 +259,7 @@ class StepRunner:
             copied.synchronize()  # at once, unless the GPU is STAGING_DEPTH steps behind
         host[0, :n], host[0, n:size] = positions, -1
         host[1, :n], host[1, n:size] = token_to_req, 0
-        self.meta.update_padded(self._staged[i], size)
+        self.meta.update_padded(self._staged[i])
         if copied is not None:
             copied.record()
 
@@ -284,13 +285,16 @@ class StepRunner:
         self.pages.release(row)
 
 
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def _host_ints(values, name: str) -> np.ndarray:
     """A step's host integers (a CPU integer tensor or a sequence of ints) as an int64 array."""
     if isinstance(values, Tensor):
-        if values.device.type != "cpu":
+        if not values.is_cpu:
             raise ValueError(f"{name} must be host (CPU) integers: the page allocator plans each step on the host "
                              f"(got a {values.device.type} tensor)")
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        if values.dtype not in _INT_DTYPES:
             raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {values.dtype}")
         return values.numpy().astype(np.int64, copy=False)  # (integer tensors never require grad)
     values = list(values)

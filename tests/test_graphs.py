@@ -245,19 +245,17 @@ def test_state_dict_uses_reference_names_and_loads():
     assert "compressor.ape" not in make_layer(0).state_dict() and "indexer.wq_b.weight" not in make_layer(128, max_seq_len=256).state_dict()
 
 
-def test_update_padded_copies_the_buckets_columns_of_a_staged_block():
-    """``update_padded(staged, b)``: columns ``0 .. b-1`` of both rows arrive as staged
-    (what a ``b``-token step reads); a block of another shape or dtype, or a bucket outside
-    ``1 .. max_tokens``, is refused."""
+def test_update_padded_copies_a_staged_block():
+    """``update_padded(staged)``: the ``[2, max_tokens]`` block arrives as staged; a block
+    of another shape or dtype is refused."""
     meta = StepMetadata.for_layer(make_layer(2))
     M = meta.max_tokens
     staged = torch.stack([torch.arange(M, dtype=torch.int32), torch.arange(M, dtype=torch.int32) % 3])
-    meta.ints.fill_(7)
-    meta.update_padded(staged, 3)
-    assert torch.equal(meta.ints[:, :3], staged[:, :3]) and meta.ints[1, 3:].eq(7).all()
-    for bad, bucket in ((staged[:, :2].contiguous(), 2), (staged.long(), 2), (staged, 0), (staged, M + 1)):
-        with pytest.raises(ValueError, match="staged must be|bucket must be"):
-            meta.update_padded(bad, bucket)
+    meta.update_padded(staged)
+    assert torch.equal(meta.ints, staged)
+    for bad in (staged[:, :2].contiguous(), staged.long(), staged[:1]):
+        with pytest.raises(ValueError, match="staged must be int32"):
+            meta.update_padded(bad)
 
 
 def test_padding_rows_write_nothing():
