@@ -96,6 +96,11 @@ def e4m3_to_bf16(x):
     )
 
 
+# e4m3_to_fp32_bits' PTX: byte j of the packed register $4 into output $j
+_E4M3X4_TO_FP32_BITS = tl.constexpr("{\n.reg .b32 t;\n" + "".join(
+    f"prmt.b32 t, $4, 0, 0x{j}444;\nshr.s32 t, t, 4;\nand.b32 ${j}, t, 0x87F00000;\n" for j in range(4)) + "}")
+
+
 @triton.jit
 def e4m3_to_fp32_bits(x):
     """e4m3 ``x`` as fp32 times ``2**-120``, exactly, in three integer instructions per
@@ -108,27 +113,5 @@ def e4m3_to_fp32_bits(x):
     caller folds the ``2**120`` into the other factor: no rebias per element. The e4m3 NaN
     byte comes out as ``480 * 2**-120``: weights hold none.
     """
-    return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 t;
-        prmt.b32 t, $4, 0, 0x0444;
-        shr.s32 t, t, 4;
-        and.b32 $0, t, 0x87F00000;
-        prmt.b32 t, $4, 0, 0x1444;
-        shr.s32 t, t, 4;
-        and.b32 $1, t, 0x87F00000;
-        prmt.b32 t, $4, 0, 0x2444;
-        shr.s32 t, t, 4;
-        and.b32 $2, t, 0x87F00000;
-        prmt.b32 t, $4, 0, 0x3444;
-        shr.s32 t, t, 4;
-        and.b32 $3, t, 0x87F00000;
-        }
-        """,
-        "=r,=r,=r,=r,r",
-        [x.to(tl.uint8, bitcast=True)],
-        dtype=tl.float32,
-        is_pure=True,
-        pack=4,
-    )
+    return tl.inline_asm_elementwise(_E4M3X4_TO_FP32_BITS, "=r,=r,=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                     dtype=tl.float32, is_pure=True, pack=4)
