@@ -15,6 +15,9 @@
   them in split order (deterministic). Up to the layout's ``weight_only_tokens`` the call
   is weight-only: bf16 tokens against the weight tile dequantized in registers, in the tiles
   of :func:`weight_only_tile` for 32-blocks.
+  A call of :data:`GEMV_TOKENS` tokens is a GEMV on the CUDA cores instead
+  (``_fp8_gemv_kernel``, tiles of :func:`gemv_tile`): each e4m3 byte widened to fp32's bits
+  (:func:`compile_ops._triton_quant.e4m3_to_fp32_bits`) and one fp32 FMA per weight value.
 
 The quantizer rounds to e4m3 in fp32 arithmetic (:mod:`compile_ops._triton_quant`), so it
 equals ``quantize_tokens`` bit for bit on the GPU and in the interpreter alike. Both run on CUDA tensors, or on CPU
