@@ -34,6 +34,11 @@ from torch import Tensor
 from graphs.config import CacheConfig
 from graphs.metadata import PageChanges
 
+# Steps of at most this many tokens are planned on Python ints, token by token: the array
+# path's few dozen numpy calls cost a microsecond or more each, about what a loop over this
+# many tokens costs in all.
+FEW_TOKENS = 16
+
 
 class PagePool:
     """Free page ids ``0 .. num_pages - 1`` of one cache (taken in a random order when
@@ -97,7 +102,7 @@ class PageAllocator:
         # (row, column) -> page of the entries changed since take_changes, the last change
         # of an entry winning (one index_put_ of duplicate indices would pick either)
         self._changes: dict = {kind: {} for kind in self._tables}
-        self._touched = np.zeros(0, np.int64)
+        self._touched: list[int] | np.ndarray = []  # the last planned step's rows, for trim()
 
     @property
     def length(self) -> list[int]:
@@ -144,28 +149,61 @@ class PageAllocator:
             expected = np.repeat(p0 - first, counts) + np.arange(n)
             if np.count_nonzero(pos != expected):
                 i = int(np.flatnonzero(pos != expected)[0])
-                raise ValueError(f"token {i}: request {int(req[i])}'s tokens must be at consecutive positions "
-                                 f"({int(expected[i])} expected, got {int(pos[i])})")
+                raise ValueError(_not_consecutive(i, int(req[i]), int(expected[i]), int(pos[i])))
         if rows.size > 1 and np.bincount(rows).max() > 1:
-            raise ValueError("each request's tokens must be contiguous in the step (a request appears in two runs)")
+            raise ValueError(_NOT_CONTIGUOUS)
         max_seq_len, rewind = self.cache.max_seq_len, self.cache.max_rewind
         length, high = self._length[rows], self._high[rows]
         if np.count_nonzero((p0 < np.maximum(high + (1 - rewind), 0)) | (p0 > length) | (p0 + counts > max_seq_len)):
-            for r, p, c, have, top in zip(rows.tolist(), p0.tolist(), counts.tolist(), length.tolist(), high.tolist()):
-                if p < 0 or p + c > max_seq_len:
-                    raise ValueError(f"request {r}: positions {p}..{p + c - 1} outside [0, max_seq_len={max_seq_len})")
-                if p > have:
-                    raise ValueError(f"request {r} has {have} tokens: a step cannot start at position {p}")
-                if p < top + 1 - rewind:
-                    raise ValueError(f"request {r} wrote up to position {top}: a step may rewind at most "
-                                     f"max_rewind={rewind} positions, so start at >= {top + 1 - rewind}, not {p}")
+            for r, p, c in zip(rows.tolist(), p0.tolist(), counts.tolist()):
+                self._check_run(r, p, c)
         return rows, p0, counts
+
+    def _check_run(self, r: int, p: int, c: int) -> None:
+        """Raise ``ValueError`` unless request row ``r`` may write positions ``p .. p + c - 1``."""
+        max_seq_len, rewind = self.cache.max_seq_len, self.cache.max_rewind
+        have, top = int(self._length[r]), int(self._high[r])
+        if p < 0 or p + c > max_seq_len:
+            raise ValueError(f"request {r}: positions {p}..{p + c - 1} outside [0, max_seq_len={max_seq_len})")
+        if p > have:
+            raise ValueError(f"request {r} has {have} tokens: a step cannot start at position {p}")
+        if p < top + 1 - rewind:
+            raise ValueError(f"request {r} wrote up to position {top}: a step may rewind at most "
+                             f"max_rewind={rewind} positions, so start at >= {top + 1 - rewind}, not {p}")
+
+    def _few_runs(self, pos: list[int], req: list[int]) -> list[tuple[int, int, int]]:
+        """:meth:`runs` of a step of few tokens, on Python ints, with :meth:`_runs`' checks."""
+        R = len(self._length)
+        for i, r in enumerate(req):
+            if not 0 <= r < R:
+                raise ValueError(f"token {i}: request row {r} is outside [0, {R})")
+        runs = []  # [row, first position, tokens]
+        for i, (p, r) in enumerate(zip(pos, req)):
+            if runs and runs[-1][0] == r:
+                if p != runs[-1][1] + runs[-1][2]:
+                    raise ValueError(_not_consecutive(i, r, runs[-1][1] + runs[-1][2], p))
+                runs[-1][2] += 1
+            else:
+                runs.append([r, p, 1])
+        if len({run[0] for run in runs}) < len(runs):
+            raise ValueError(_NOT_CONTIGUOUS)
+        for r, p, c in runs:
+            self._check_run(r, p, c)
+        return runs
 
     def plan(self, positions: Sequence[int] | Tensor, token_to_req: Sequence[int] | Tensor) -> None:
         """Check a step (host ``[n]`` integers) and give its requests the pages it writes
         and reads; the block-table changes wait in :meth:`take_changes`. Raises
         ``ValueError`` for a bad layout and ``RuntimeError`` when a pool runs out (nothing
         changed, either way)."""
+        few = _few_ints(positions), _few_ints(token_to_req)
+        if few[0] is not None and few[1] is not None:
+            if len(few[0]) != len(few[1]):
+                raise ValueError(f"positions and token_to_req differ in length ({len(few[0])} vs {len(few[1])})")
+            runs = self._few_runs(*few)
+            self._give_few(runs)
+            self._touched = [r for r, _, _ in runs]
+            return
         rows, p0, n = self._runs(positions, token_to_req)
         self._give_runs(rows, np.maximum(p0 - self.window + 1, 0), p0 + n)
         self._touched = rows
@@ -198,7 +236,7 @@ class PageAllocator:
         may_need = (lo < self._swa_low[rows]) | (hi > high // ps)  # -1 // ps: no page yet
         wanted, grown = {"swa": []}, {}
         if np.count_nonzero(may_need):
-            wanted["swa"] = self._missing("swa", rows[may_need], lo[may_need], hi[may_need] + 1)
+            wanted["swa"] = self._missing("swa", rows[may_need].tolist(), lo[may_need].tolist(), (hi[may_need] + 1).tolist())
         for ratio in self.ratios:
             entries = end // ratio
             if self.cache.dcp_world > 1:  # this rank's share
@@ -209,8 +247,39 @@ class PageAllocator:
             more = need > given
             wanted[ratio] = []
             if np.count_nonzero(more):
-                wanted[ratio] = self._missing(ratio, rows[more], given[more], need[more])
+                wanted[ratio] = self._missing(ratio, rows[more].tolist(), given[more].tolist(), need[more].tolist())
                 grown[ratio] = rows[more], need[more]
+        self._take(wanted, grown)
+        self._length[rows] = end
+        self._high[rows] = np.maximum(high, end - 1)
+
+    def _give_few(self, runs: list[tuple[int, int, int]]) -> None:
+        """:meth:`_give_runs` of :meth:`_few_runs`' ``(row, first position, tokens)``, on Python ints."""
+        ps, wanted, grown = self.cache.page_size, {"swa": [], **{ratio: [] for ratio in self.ratios}}, {}
+        for r, p, c in runs:
+            end, high = p + c, int(self._high[r])
+            lo, hi = max(p - self.window + 1, 0) // ps, (end - 1) // ps
+            if lo < self._swa_low[r] or hi > high // ps:  # -1 // ps: no page yet
+                wanted["swa"] += self._missing("swa", [r], [lo], [hi + 1])
+            for ratio in self.ratios:
+                entries = end // ratio
+                if self.cache.dcp_world > 1:  # this rank's share
+                    entries = self.cache.local_entries(entries, self.rank)
+                need, given = -(-entries // self.cache.block_size(ratio)), int(self._given[ratio][r])
+                if need > given:
+                    wanted[ratio] += self._missing(ratio, [r], [given], [need])
+                    grown.setdefault(ratio, ([], []))
+                    grown[ratio][0].append(r)
+                    grown[ratio][1].append(need)
+        self._take(wanted, grown)
+        for r, p, c in runs:
+            self._length[r] = p + c
+            self._high[r] = max(int(self._high[r]), p + c - 1)
+
+    def _take(self, wanted: dict, grown: dict) -> None:
+        """Give each ``(row, column)`` of ``wanted[kind]`` a page of pool ``kind`` and set
+        ``_given[ratio][rows] = need`` for ``grown[ratio] = (rows, need)``; raises
+        ``RuntimeError`` before anything changes when a pool is short."""
         for kind, entries in wanted.items():
             if len(entries) > self._pools[kind].num_free:
                 self._pools[kind].take_many(len(entries))  # raises: the pool is short
@@ -221,26 +290,33 @@ class PageAllocator:
                     table[r, col] = changes[r, col] = page
         for ratio, (at, need) in grown.items():
             self._given[ratio][at] = need
-        self._length[rows] = end
-        self._high[rows] = np.maximum(high, end - 1)
 
     def trim(self) -> None:
         """Give back the SWA pages of the last planned step's requests that no later step
         reads (call it once that step is launched: later work reuses them in stream order)."""
-        rows = self._touched
-        low = np.maximum(self._high[rows] - self.cache.swa_keep(self.window), 0) // self.cache.page_size
+        rows, keep, ps = self._touched, self.cache.swa_keep(self.window), self.cache.page_size
+        self._touched = []
+        if isinstance(rows, list):  # a step of few tokens
+            for r in rows:
+                low, old = max(int(self._high[r]) - keep, 0) // ps, int(self._swa_low[r])
+                if low > old:
+                    self._give_back_swa(r, old, low)
+            return
+        low = np.maximum(self._high[rows] - keep, 0) // ps
         old = self._swa_low[rows]
         up = low > old
         if np.count_nonzero(up):
-            rows, old, low = rows[up], old[up], low[up]
-            table, changes, pool = self._tables["swa"], self._changes["swa"], self.swa_pool
-            for r, start, stop in zip(rows.tolist(), old.tolist(), low.tolist()):
-                for col in range(start, stop):
-                    if table[r, col] >= 0:
-                        pool.give(int(table[r, col]))
-                        table[r, col] = changes[r, col] = -1
-            self._swa_low[rows] = low
-        self._touched = rows[:0]
+            for r, start, stop in zip(rows[up].tolist(), old[up].tolist(), low[up].tolist()):
+                self._give_back_swa(r, start, stop)
+
+    def _give_back_swa(self, r: int, start: int, stop: int) -> None:
+        """Row ``r`` gives back its SWA pages of columns ``start .. stop - 1``; ``stop`` is its new lowest column."""
+        table, changes = self._tables["swa"], self._changes["swa"]
+        for col in range(start, stop):
+            if table[r, col] >= 0:
+                self.swa_pool.give(int(table[r, col]))
+                table[r, col] = changes[r, col] = -1
+        self._swa_low[r] = stop
 
     def release(self, row: int) -> None:
         """A finished request: give back all its pages; the row starts over at position 0."""
@@ -292,12 +368,28 @@ class PageAllocator:
             return torch.zeros(len(self._length), 0, dtype=torch.int32)
         return self.cmp_table_of(self.ratios[0])
 
-    def _missing(self, kind, rows: np.ndarray, start: np.ndarray, stop: np.ndarray) -> list[tuple[int, int]]:
+    def _missing(self, kind, rows: list[int], start: list[int], stop: list[int]) -> list[tuple[int, int]]:
         """``(row, column)`` of table ``kind``'s entries without a page in columns
         ``start[i] .. stop[i] - 1`` of ``rows[i]``, in that order."""
         table = self._tables[kind]
-        return [(r, col) for r, a, b in zip(rows.tolist(), start.tolist(), stop.tolist())
-                for col in range(a, b) if table[r, col] < 0]
+        return [(r, col) for r, a, b in zip(rows, start, stop) for col in range(a, b) if table[r, col] < 0]
+
+
+def _not_consecutive(i: int, r: int, expected: int, got: int) -> str:
+    return f"token {i}: request {r}'s tokens must be at consecutive positions ({expected} expected, got {got})"
+
+
+_NOT_CONTIGUOUS = "each request's tokens must be contiguous in the step (a request appears in two runs)"
+
+
+def _few_ints(values: Sequence[int] | Tensor | np.ndarray) -> Optional[list[int]]:
+    """Host integers as a list of Python ints if there are at most ``FEW_TOKENS``, else ``None``."""
+    size = values.numel() if isinstance(values, Tensor) else values.size if isinstance(values, np.ndarray) else len(values)
+    if size > FEW_TOKENS:
+        return None
+    if isinstance(values, (Tensor, np.ndarray)):
+        return [int(v) for v in values.reshape(-1).tolist()]
+    return [int(v) for v in values]
 
 
 def _host_array(values: Sequence[int] | Tensor) -> np.ndarray:

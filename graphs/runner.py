@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from graphs.attention import DSV41Attention
 from graphs.metadata import StepMetadata
-from graphs.pages import PageAllocator
+from graphs.pages import FEW_TOKENS, PageAllocator
 
 if TYPE_CHECKING:
     from graphs.stack import DSV41Stack
@@ -148,7 +148,9 @@ class StepRunner:
         for host in self._staged_host:
             host[0], host[1] = -1, 0
         self._staged_copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING_DEPTH)]
+        self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if pinned else None
         self._turn = 0
+        self._x_rows: dict[int, Tensor] = {}  # x[:n] per step size: slicing costs host time per step
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.captures = 0
@@ -223,9 +225,9 @@ class StepRunner:
             raise ValueError(f"x must be the step's hidden states [n, dim = {dim}] (bf16), got {got}")
         positions, token_to_req = _host_ints(positions, "positions"), _host_ints(token_to_req, "token_to_req")
         n = x.shape[0]
-        if positions.shape != (n,) or token_to_req.shape != (n,):
+        if len(positions) != n or len(token_to_req) != n:
             raise ValueError(f"positions and token_to_req must be [n] = [{n}] like x's tokens, got "
-                             f"{positions.shape} and {token_to_req.shape}")
+                             f"[{len(positions)}] and [{len(token_to_req)}]")
         size = self.bucket_for(n)
         if self.compiled and not self._traced:
             self.trace()
@@ -237,7 +239,10 @@ class StepRunner:
             swa, *tables = self._to_device(swa, *tables)
             self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
         self._stage(size, positions, token_to_req)
-        self.x[:n].copy_(x, non_blocking=True)
+        x_rows = self._x_rows.get(n)
+        if x_rows is None:
+            x_rows = self._x_rows[n] = self.x[:n]
+        x_rows.copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
             if size not in self.graphs:
                 raise RuntimeError(f"bucket {size} was not captured; call capture() first")
@@ -248,20 +253,21 @@ class StepRunner:
         self.pages.trim()
         return out
 
-    def _stage(self, size: int, positions: np.ndarray, token_to_req: np.ndarray) -> None:
+    def _stage(self, size: int, positions: list[int] | np.ndarray, token_to_req: list[int] | np.ndarray) -> None:
         """Copy the step's ``[n]`` integers, padded to the bucket's ``size`` (position
         ``-1``, request row 0), into the layer's metadata through the next pinned buffer
         (:meth:`StepMetadata.update_padded`)."""
         i = self._turn
         self._turn = (i + 1) % STAGING_DEPTH
-        copied, host, n = self._staged_copied[i], self._staged_host[i], positions.size
+        copied, host, n = self._staged_copied[i], self._staged_host[i], len(positions)
         if copied is not None:
             copied.synchronize()  # at once, unless the GPU is STAGING_DEPTH steps behind
-        host[0, :n], host[0, n:size] = positions, -1
-        host[1, :n], host[1, n:size] = token_to_req, 0
+        host[0, :n], host[1, :n] = positions, token_to_req
+        if n < size:
+            host[0, n:size], host[1, n:size] = -1, 0
         self.meta.update_padded(self._staged[i])
         if copied is not None:
-            copied.record()
+            copied.record(torch.cuda.current_stream(self._device_index))  # an index: cheaper than a device
 
     def _to_device(self, *changes):
         """The ``PageChanges`` triples (``None`` skipped) moved to the layer's device in one
@@ -288,16 +294,22 @@ class StepRunner:
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def _host_ints(values, name: str) -> np.ndarray:
-    """A step's host integers (a CPU integer tensor or a sequence of ints) as an int64 array."""
+def _host_ints(values, name: str) -> list[int] | np.ndarray:
+    """A step's host integers (a 1-D CPU integer tensor or a sequence of ints): a list of
+    ints for a step of at most ``graphs.pages.FEW_TOKENS`` tokens (the page allocator plans
+    those on Python ints), else an int64 array."""
     if isinstance(values, Tensor):
         if not values.is_cpu:
             raise ValueError(f"{name} must be host (CPU) integers: the page allocator plans each step on the host "
                              f"(got a {values.device.type} tensor)")
         if values.dtype not in _INT_DTYPES:
             raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {values.dtype}")
+        if values.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D [n] tensor, got shape {tuple(values.shape)}")
+        if values.shape[0] <= FEW_TOKENS:
+            return values.tolist()
         return values.numpy().astype(np.int64, copy=False)  # (integer tensors never require grad)
     values = list(values)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name} must be ints, got {[type(v).__name__ for v in values if not isinstance(v, int)][:3]}")
-    return np.array(values, dtype=np.int64)
+    return values if len(values) <= FEW_TOKENS else np.array(values, dtype=np.int64)

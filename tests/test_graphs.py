@@ -480,6 +480,57 @@ def test_pages_held_follow_each_rows_positions(ratio, world, seed, steps):
     assert pages.pages_held() == (int((swa >= 0).sum()), int((cmp >= 0).sum()))
 
 
+@settings(deadline=None, max_examples=examples(0.5))
+@given(ratio=st.sampled_from([0, 2, 4]), world=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
+       steps=st.integers(1, 40))
+def test_few_token_steps_plan_as_the_array_path_does(ratio, world, seed, steps):
+    """Steps of at most ``FEW_TOKENS`` tokens are planned on Python ints: random steps,
+    bad ones included (rows out of range, gaps, a request in two runs, rewinds past
+    ``max_rewind``, starts past a row's length, a pool run dry), give the same error, the
+    same pages in the same table entries, the same changes and the same lengths as the
+    array path."""
+    from unittest import mock
+
+    import graphs.pages
+
+    gen = random.Random(seed)
+    cache = CacheConfig(3, 9, 64, 4, dcp_world=world)
+    twins = [PageAllocator(cache, ratio, TINY.window_size, rank=world - 1, generator=torch.Generator().manual_seed(seed))
+             for _ in range(2)]
+    few_paths = 0
+    for _ in range(steps):
+        if gen.random() < 0.1:
+            row = gen.randrange(3)
+            for pages in twins:
+                pages.release(row)
+            continue
+        pos, req = [], []
+        for r in gen.sample(range(3), gen.randint(1, 3)):
+            start = max(twins[0].high[r] + 1 - gen.choice([0, 0, 1, cache.max_rewind, cache.max_rewind + 1]), 0)
+            start = min(start, twins[0].length[r] + gen.choice([0, 0, 0, 1]))
+            n = gen.choice([1, 1, 2, 5, 9])
+            pos += range(start, start + n)
+            req += [r] * n
+        if gen.random() < 0.15 and len(pos) > 1:  # a gap, a row out of range or a split request
+            i = gen.randrange(len(pos))
+            pos[i], req[i] = gen.choice([(pos[i] + 1, req[i]), (pos[i], 3), (pos[i], req[0])])
+        few_paths += len(pos) <= graphs.pages.FEW_TOKENS
+        outcomes = []
+        for pages, few in zip(twins, (graphs.pages.FEW_TOKENS, 0)):
+            with mock.patch.object(graphs.pages, "FEW_TOKENS", few):
+                try:
+                    pages.plan(list(pos), torch.tensor(req, dtype=I32))
+                    error = None
+                except (ValueError, RuntimeError) as e:
+                    error = (type(e), str(e))
+            pages.trim()
+            changes = [None if c is None else [t.tolist() for t in c] for c in pages.take_changes()]
+            outcomes.append((error, changes, pages.swa_table.tolist(), pages.cmp_table.tolist(), pages.length,
+                             pages.high, pages.pages_held()))
+        assert outcomes[0] == outcomes[1], (pos, req)
+    assert few_paths or steps < 4
+
+
 def test_a_step_the_pools_cannot_serve_changes_nothing():
     """A step that needs more pages than a pool holds is refused whole: ``RuntimeError``
     naming the pool, every table, length and free page as before; a smaller step then
