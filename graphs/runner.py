@@ -150,7 +150,7 @@ class StepRunner:
         self._staged_copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING_DEPTH)]
         self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if pinned else None
         self._turn = 0
-        self._x_rows: dict[int, Tensor] = {}  # x[:n] per step size: slicing costs host time per step
+        self._x_rows: dict[int, Tensor] = {}  # input(n): x[:n], sliced once per size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.captures = 0
@@ -213,6 +213,8 @@ class StepRunner:
     def step(self, x: Tensor, positions: Tensor | Sequence[int], token_to_req: Tensor | Sequence[int]) -> Tensor:
         """One step of ``n = x.shape[0]`` tokens; returns ``[n, dim]``.
 
+        ``x`` is copied into the static input rows, unless it is the tensor
+        :meth:`input` returned for ``n`` (the step's hidden states written there).
         ``positions`` / ``token_to_req`` are the step's ``[n]`` host integers (what the
         engine's scheduler has): the page allocator checks and plans them on the host, then
         they are copied into the static buffers and the bucket's graph replays (or the
@@ -239,10 +241,8 @@ class StepRunner:
             swa, *tables = self._to_device(swa, *tables)
             self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
         self._stage(size, positions, token_to_req)
-        x_rows = self._x_rows.get(n)
-        if x_rows is None:
-            x_rows = self._x_rows[n] = self.x[:n]
-        x_rows.copy_(x, non_blocking=True)
+        if x is not self._x_rows.get(n):  # not the hidden states written in place (input())
+            self.input(n).copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
             if size not in self.graphs:
                 raise RuntimeError(f"bucket {size} was not captured; call capture() first")
@@ -252,6 +252,18 @@ class StepRunner:
             out = self.run(size)[:n]
         self.pages.trim()
         return out
+
+    def input(self, n: int) -> Tensor:
+        """The static input rows ``[n, dim]`` (bf16, on the layer's device) a step of ``n``
+        tokens reads. An engine that writes the step's hidden states here (say, as its
+        previous layer's output) and passes this tensor to :meth:`step` saves the step a
+        device copy; the same tensor object comes back for the same ``n``."""
+        if not 1 <= n <= self.x.shape[0]:
+            raise ValueError(f"a step must have 1..{self.x.shape[0]} tokens (CacheConfig.max_tokens), got {n}")
+        rows = self._x_rows.get(n)
+        if rows is None:
+            rows = self._x_rows[n] = self.x[:n]
+        return rows
 
     def _stage(self, size: int, positions: list[int] | np.ndarray, token_to_req: list[int] | np.ndarray) -> None:
         """Copy the step's ``[n]`` integers, padded to the bucket's ``size`` (position

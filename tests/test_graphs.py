@@ -531,6 +531,24 @@ def test_few_token_steps_plan_as_the_array_path_does(ratio, world, seed, steps):
     assert few_paths or steps < 4
 
 
+def test_hidden_states_written_into_input_rows_step_as_a_copied_input():
+    """``StepRunner.input(n)``: the same tensor for the same ``n``; hidden states written
+    there and passed to ``step`` give what the same values passed as their own tensor give
+    (a prefill chunk, then decode steps); ``n`` outside ``1..max_tokens`` is refused."""
+    runners = [make_runner(make_layer(2, max_tokens=4)) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    for pos in ([0, 1, 2], [3], [4], [5]):
+        x = torch.randn(len(pos), TINY.dim, generator=gen).bfloat16()
+        rows = runners[1].input(len(pos))
+        assert rows is runners[1].input(len(pos)) and rows.shape == x.shape
+        rows.copy_(x)
+        outs = [r.step(h, pos, [0] * len(pos)).clone() for r, h in zip(runners, (x, rows))]
+        assert torch.equal(outs[0], outs[1])
+    for n in (0, 5):
+        with pytest.raises(ValueError, match="1..4 tokens"):
+            runners[0].input(n)
+
+
 def test_a_step_the_pools_cannot_serve_changes_nothing():
     """A step that needs more pages than a pool holds is refused whole: ``RuntimeError``
     naming the pool, every table, length and free page as before; a smaller step then
