@@ -306,14 +306,32 @@ class StepMetadata(nn.Module):
 
     def apply_pages(self, swa: Optional[PageChanges] = None,
                     cmp: Union[None, PageChanges, dict[int, Optional[PageChanges]]] = None) -> None:
-        """Set block-table entries (``PageChanges`` of :meth:`graphs.PageAllocator.take_changes`:
-        ``cmp`` one table's, or ``{ratio: changes}``; host tensors are copied ``non_blocking``)."""
+        """Set block-table entries (host ``PageChanges`` of :meth:`graphs.PageAllocator.take_changes`:
+        ``cmp`` one table's, or ``{ratio: changes}``; ``None`` or empty: nothing to set).
+
+        Host changes of all tables travel as one pinned buffer of flat table indices and
+        pages, in one ``non_blocking`` copy, and each table takes one ``index_put_``: a
+        change step costs a few host calls, not a few per table and tensor."""
         if not isinstance(cmp, dict):
             cmp = {self.only.ratio: cmp} if cmp is not None else {}
-        for table, changes in ((self.swa_block_table, swa), *((self.cmp_table_of(r), c) for r, c in cmp.items())):
-            if changes is not None and changes[0].numel():
-                rows, cols, pages = (c.to(table.device, non_blocking=True) for c in changes)
-                table.index_put_((rows.long(), cols.long()), pages.to(table.dtype))
+        work = [(table, changes) for table, changes in
+                ((self.swa_block_table, swa), *((self.cmp_table_of(r), c) for r, c in cmp.items()))
+                if changes is not None and changes[0].numel()]
+        if not work:
+            return
+        if not all(c.is_cpu and c.dtype == torch.int32 for _, changes in work for c in changes):
+            raise ValueError("apply_pages takes host (CPU) int32 changes, as PageAllocator.take_changes gives them")
+        device = self.swa_block_table.device
+        packed, sizes = [], []  # per table: flat indices, then pages (Python lists: a few entries per step)
+        for table, (rows, cols, pages) in work:
+            width = table.shape[1]  # int32 indices: a table holds < 2**31 entries
+            packed += [r * width + c for r, c in zip(rows.tolist(), cols.tolist())]
+            packed += pages.tolist()
+            sizes.append(rows.numel())
+        moved, at = torch.tensor(packed, dtype=torch.int32, pin_memory=device.type == "cuda").to(device, non_blocking=True), 0
+        for (table, _), k in zip(work, sizes):
+            table.view(-1).index_put_((moved[at:at + k],), moved[at + k:at + 2 * k])
+            at += 2 * k
 
     def inputs(self, num_tokens: int, ratio: Optional[int] = None) -> StepInputs:
         """:class:`StepInputs` of the first ``num_tokens`` columns for geometry ``ratio``

@@ -341,8 +341,8 @@ class PageAllocator:
         for kind, entries in self._changes.items():
             out[kind] = None
             if entries:
-                at = torch.tensor(list(entries), dtype=torch.int32)
-                out[kind] = at[:, 0], at[:, 1], torch.tensor(list(entries.values()), dtype=torch.int32)
+                rows, cols = zip(*entries)
+                out[kind] = tuple(torch.tensor(v, dtype=torch.int32) for v in (rows, cols, list(entries.values())))
             self._changes[kind] = {}
         cmp = {r: out[r] for r in self.ratios}
         return out["swa"], (next(iter(cmp.values()), None) if self.single else cmp)

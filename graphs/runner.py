@@ -234,12 +234,7 @@ class StepRunner:
         if self.compiled and not self._traced:
             self.trace()
         self.pages.plan(positions, token_to_req)
-        swa, cmp = self.pages.take_changes()
-        ratios = list(cmp) if isinstance(cmp, dict) else None  # a stack: one table per ratio
-        tables = [cmp[r] for r in ratios] if ratios is not None else [cmp]
-        if swa is not None or any(t is not None for t in tables):  # a new page, or one given back
-            swa, *tables = self._to_device(swa, *tables)
-            self.meta.apply_pages(swa, dict(zip(ratios, tables)) if ratios is not None else tables[0])
+        self.meta.apply_pages(*self.pages.take_changes())  # (most decode steps change nothing)
         self._stage(size, positions, token_to_req)
         if x is not self._x_rows.get(n):  # not the hidden states written in place (input())
             self.input(n).copy_(x, non_blocking=True)
@@ -280,23 +275,6 @@ class StepRunner:
         self.meta.update_padded(self._staged[i])
         if copied is not None:
             copied.record(torch.cuda.current_stream(self._device_index))  # an index: cheaper than a device
-
-    def _to_device(self, *changes):
-        """The ``PageChanges`` triples (``None`` skipped) moved to the layer's device in one
-        copy, from one pinned buffer of torch's caching host allocator (which reuses a
-        buffer only once its copy has finished)."""
-        flat = [t for part in changes if part is not None for t in part]
-        if not flat:
-            return changes
-        device = self.meta.ints.device
-        lengths = [t.numel() for t in flat]
-        stage = torch.empty(sum(lengths), dtype=torch.int32, pin_memory=device.type == "cuda")
-        host, at = stage.numpy(), 0
-        for t in flat:
-            host[at:at + t.numel()] = t.numpy()
-            at += t.numel()
-        moved = iter(stage.to(device, non_blocking=True).split(lengths))
-        return tuple(None if part is None else tuple(next(moved) for _ in part) for part in changes)
 
     def release(self, row: int) -> None:
         """A request finished: give its pages back (:meth:`PageAllocator.release`)."""

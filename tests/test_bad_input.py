@@ -71,6 +71,10 @@ def metadata_update(**kwargs):
     return StepMetadata.for_layer(DSV41Attention(TINY, CacheConfig(4, 8, 32, 4), 0)).update(**kwargs)
 
 
+def metadata_apply_pages(**kwargs):
+    return StepMetadata.for_layer(DSV41Attention(TINY, CacheConfig(4, 8, 32, 4), 2)).apply_pages(**kwargs)
+
+
 def x(*shape):
     return torch.randn(*shape).bfloat16()
 
@@ -109,6 +113,7 @@ CASES = [
     ("lse_combine-int-out", compile_ops.lse_combine, dict(partial_out=torch.zeros(2, 3, 4, 8, dtype=i32), partial_lse=torch.zeros(2, 3, 4)), TypeError, ["partial_out", "int32"]),
     ("dcp_combine-no-group", compile_ops.dcp_combine, dict(out=torch.zeros(3, 4, 8), lse=torch.zeros(3, 4), group_name="nope"), ValueError, ["group_name", "nope"]),
     # the serving entry points (graphs): every one names the argument and the expected value
+    ("apply_pages-int64", metadata_apply_pages, dict(swa=(torch.zeros(1, dtype=torch.int64),) * 3), ValueError, ["host", "int32", "take_changes"]),
     ("step-x-hidden-size", runner_call("step"), dict(x=x(2, 65), positions=[0, 1], token_to_req=[0, 0]), ValueError, ["x", "dim = 64", "(2, 65)"]),
     ("step-x-1d", runner_call("step"), dict(x=x(64), positions=[0], token_to_req=[0]), ValueError, ["x", "[n, dim = 64]", "(64,)"]),
     ("step-positions-float", runner_call("step"), dict(x=x(2, 64), positions=torch.tensor([0.0, 1.5]), token_to_req=[0, 0]), TypeError, ["positions", "integer", "float32"]),
