@@ -22,11 +22,6 @@ from torch import Tensor, nn
 
 from compile_ops.slots.mapping import compressed_slot_mapping
 
-# Block-table changes per table that a staged step carries (StepRunner): a decode step
-# changes a few entries (a page taken as a request crosses into it, one given back as its
-# window leaves one); a step with more applies them with apply_pages.
-STAGED_CHANGES = 64
-
 
 class StepInputs(NamedTuple):
     """Per-step tensors of one layer (all int32 except ``is_valid``).
@@ -187,10 +182,8 @@ class StepMetadata(nn.Module):
     """Static step buffers of one layer, or of a stack's geometries, sized for
     ``max_tokens`` tokens and ``R`` requests.
 
-    Buffers (non-persistent, on the layer's device): ``ints [2, max_tokens + STAGED_CHANGES *
-    tables]`` int32 holding positions / token_to_req in its first ``max_tokens`` columns and
-    then, per block table, the page changes a staged step carries (one buffer so a step is
-    one copy: :meth:`update_padded`, :meth:`stage_changes`),
+    Buffers (non-persistent, on the layer's device): ``ints [2, max_tokens]`` int32 holding
+    positions / token_to_req (one buffer so an engine can fill it with one copy),
     ``swa_block_table [R, Bs]``, the SWA slot mapping ``swa_slots [max_tokens]``, and per
     compressed ratio ``r`` of the geometries ``cmp_block_table_{r} [R, Bc]`` and
     ``cmp_slots_{r} [max_tokens]`` (tables ``-1`` until pages are given).
@@ -221,11 +214,8 @@ class StepMetadata(nn.Module):
         shared = {(g.window, g.page_size, g.max_requests, g.max_seq_len, g.swa_columns, g.dcp) for g in geometries}
         if len(shared) != 1:
             raise ValueError("the geometries of one metadata must share the window, SWA pages, requests and DCP shard")
-        # the staged change columns of each block table, in this order
-        self.change_tables = ("swa", *(g.ratio for g in geometries if g.ratio))
-        ints = torch.zeros(2, max_tokens + STAGED_CHANGES * len(self.change_tables), dtype=torch.int32, device=device)
+        ints = torch.zeros(2, max_tokens, dtype=torch.int32, device=device)
         ints[0] = -1
-        self._change_views: tuple = (None, {})  # (ints, {table: (flat table, indices, pages)}): views made once
         self.register_buffer("ints", ints, persistent=False)
         R = first.max_requests
 
@@ -272,11 +262,11 @@ class StepMetadata(nn.Module):
 
     @property
     def positions(self) -> Tensor:
-        return self.ints[0, :self.max_tokens]
+        return self.ints[0]
 
     @property
     def token_to_req(self) -> Tensor:
-        return self.ints[1, :self.max_tokens]
+        return self.ints[1]
 
     def update(self, positions: Tensor, token_to_req: Tensor, *, bucket: Optional[int] = None) -> int:
         """Copy one step's values in; columns ``n .. bucket-1`` become padding (position ``-1``).
@@ -302,55 +292,17 @@ class StepMetadata(nn.Module):
         return n
 
     def update_padded(self, staged: Tensor) -> None:
-        """:meth:`update` from a staged host block shaped like :attr:`ints` (int32, pinned for
-        an asynchronous copy) whose first ``b`` columns hold a ``b``-token step, padding
+        """:meth:`update` from a staged host block ``[2, max_tokens]`` int32 (pinned, for an
+        asynchronous copy) whose first ``b`` columns hold a ``b``-token step, padding
         included: row 0 the positions (``-1`` past the step's tokens), row 1 the request
-        rows (``0`` there), as :class:`graphs.StepRunner` stages them, and whose change
-        columns hold what :meth:`stage_changes` wrote. The whole block is one contiguous copy
-        (``non_blocking``); its columns past ``b``, which nothing of a ``b``-token step reads,
-        come along (slicing the two rows would cost host time per step, a strided copy a
-        device temporary and a copy kernel)."""
+        rows (``0`` there), as :class:`graphs.StepRunner` stages them. The whole block is one
+        contiguous copy (``non_blocking``); its columns past ``b``, which nothing of a
+        ``b``-token step reads, come along (slicing the two rows would cost host time per
+        step, a strided copy a device temporary and a copy kernel)."""
         if staged.shape != self.ints.shape or staged.dtype != torch.int32:
-            raise ValueError(f"staged must be int32 {list(self.ints.shape)} (like ints), got "
+            raise ValueError(f"staged must be int32 {list(self.ints.shape)} (2 x max_tokens), got "
                              f"{staged.dtype} {list(staged.shape)}")
         self.ints.copy_(staged, non_blocking=True)
-
-    def stage_changes(self, staged, changes: dict) -> Optional[list]:
-        """Write page changes into a staged host block's change columns, for
-        :meth:`apply_staged_changes` after its :meth:`update_padded` copy.
-
-        ``staged`` is the block as a numpy array; ``changes`` is
-        :meth:`graphs.PageAllocator.take_change_lists`' ``{table: (rows, columns, pages)}``.
-        Each table's columns get flat table indices (row 0) and pages (row 1), padded with
-        copies of its first change (the same write again). Returns the tables to apply, or
-        ``None`` (nothing written) when a table has more than ``STAGED_CHANGES`` changes:
-        then :meth:`apply_pages` them."""
-        if any(len(rows) > STAGED_CHANGES for rows, _, _ in changes.values()):
-            return None
-        for table, (rows, cols, pages) in changes.items():
-            at = self.max_tokens + STAGED_CHANGES * self.change_tables.index(table)
-            width = (self.swa_block_table if table == "swa" else self.cmp_table_of(table)).shape[1]
-            k = len(rows)
-            staged[0, at:at + k] = [r * width + c for r, c in zip(rows, cols)]  # int32: a table holds < 2**31 entries
-            staged[1, at:at + k] = pages
-            staged[:, at + k:at + STAGED_CHANGES] = staged[:, at:at + 1]
-        return list(changes)
-
-    def apply_staged_changes(self, tables: Sequence) -> None:
-        """Set the block-table entries of the change columns of :attr:`ints` (staged by
-        :meth:`stage_changes` and copied in) for ``tables`` (``"swa"`` or ratios): one
-        ``index_put_`` of ``STAGED_CHANGES`` entries per table, on views made once."""
-        ints, views = self._change_views
-        if ints is not self.ints:  # first use, or the buffers moved
-            views = {}
-            for i, table in enumerate(self.change_tables):
-                at = self.max_tokens + STAGED_CHANGES * i
-                cells = (self.swa_block_table if table == "swa" else self.cmp_table_of(table)).view(-1)
-                views[table] = cells, self.ints[0, at:at + STAGED_CHANGES], self.ints[1, at:at + STAGED_CHANGES]
-            self._change_views = self.ints, views
-        for table in tables:
-            cells, index, pages = views[table]
-            cells.index_put_((index,), pages)
 
     def apply_pages(self, swa: Optional[PageChanges] = None,
                     cmp: Union[None, PageChanges, dict[int, Optional[PageChanges]]] = None) -> None:

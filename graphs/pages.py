@@ -335,26 +335,15 @@ class PageAllocator:
         """``(swa, cmp)`` block-table changes since the last call, for
         :meth:`graphs.StepMetadata.apply_pages` (``None`` where nothing changed); ``cmp`` is
         ``{ratio: changes}`` for an allocator of several ratios."""
-        return self.page_changes(self.take_change_lists())
-
-    def take_change_lists(self) -> dict:
-        """:meth:`take_changes` as Python ints: ``{kind: (rows, columns, pages)}`` lists per
-        table that changed (``"swa"`` or a compressed ratio); ``{}`` when none did."""
         if not any(self._changes.values()):  # most decode steps
-            return {}
+            return None, (None if self.single else dict.fromkeys(self.ratios))
         out = {}
         for kind, entries in self._changes.items():
+            out[kind] = None
             if entries:
                 rows, cols = zip(*entries)
-                out[kind] = list(rows), list(cols), list(entries.values())
-                self._changes[kind] = {}
-        return out
-
-    def page_changes(self, lists: dict):
-        """:meth:`take_change_lists`' lists in :meth:`take_changes`' form: ``(swa, cmp)``
-        int32 ``PageChanges`` (``None`` for a table without changes)."""
-        out = {kind: tuple(torch.tensor(v, dtype=torch.int32) for v in lists[kind]) if kind in lists else None
-               for kind in self._tables}
+                out[kind] = tuple(torch.tensor(v, dtype=torch.int32) for v in (rows, cols, list(entries.values())))
+            self._changes[kind] = {}
         cmp = {r: out[r] for r in self.ratios}
         return out["swa"], (next(iter(cmp.values()), None) if self.single else cmp)
 

@@ -234,7 +234,8 @@ class StepRunner:
         if self.compiled and not self._traced:
             self.trace()
         self.pages.plan(positions, token_to_req)
-        self._stage(size, positions, token_to_req, self.pages.take_change_lists())
+        self.meta.apply_pages(*self.pages.take_changes())  # (most decode steps change nothing)
+        self._stage(size, positions, token_to_req)
         if x is not self._x_rows.get(n):  # not the hidden states written in place (input())
             self.input(n).copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
@@ -259,14 +260,10 @@ class StepRunner:
             rows = self._x_rows[n] = self.x[:n]
         return rows
 
-    def _stage(self, size: int, positions: list[int] | np.ndarray, token_to_req: list[int] | np.ndarray,
-               changes: dict) -> None:
+    def _stage(self, size: int, positions: list[int] | np.ndarray, token_to_req: list[int] | np.ndarray) -> None:
         """Copy the step's ``[n]`` integers, padded to the bucket's ``size`` (position
-        ``-1``, request row 0), and its block-table ``changes``
-        (:meth:`PageAllocator.take_change_lists`) into the layer's metadata through the next
-        pinned buffer (:meth:`StepMetadata.update_padded`), and set the changed entries
-        (:meth:`StepMetadata.apply_staged_changes`; more changes than a staged block holds:
-        :meth:`StepMetadata.apply_pages`)."""
+        ``-1``, request row 0), into the layer's metadata through the next pinned buffer
+        (:meth:`StepMetadata.update_padded`)."""
         i = self._turn
         self._turn = (i + 1) % STAGING_DEPTH
         copied, host, n = self._staged_copied[i], self._staged_host[i], len(positions)
@@ -275,12 +272,7 @@ class StepRunner:
         host[0, :n], host[1, :n] = positions, token_to_req
         if n < size:
             host[0, n:size], host[1, n:size] = -1, 0
-        staged = self.meta.stage_changes(host, changes) if changes else []
-        if staged is None:  # too many for the staged block (a long request released, say)
-            self.meta.apply_pages(*self.pages.page_changes(changes))
         self.meta.update_padded(self._staged[i])
-        if staged:
-            self.meta.apply_staged_changes(staged)
         if copied is not None:
             copied.record(torch.cuda.current_stream(self._device_index))  # an index: cheaper than a device
 

@@ -246,15 +246,13 @@ def test_state_dict_uses_reference_names_and_loads():
 
 
 def test_update_padded_copies_a_staged_block():
-    """``update_padded(staged)``: the block (shaped like ``ints``: the step's
-    ``max_tokens`` columns, then the staged change columns) arrives as staged and the step
-    reads its first ``max_tokens`` columns; a block of another shape or dtype is refused."""
+    """``update_padded(staged)``: the ``[2, max_tokens]`` block arrives as staged; a block
+    of another shape or dtype is refused."""
     meta = StepMetadata.for_layer(make_layer(2))
-    M, width = meta.max_tokens, meta.ints.shape[1]
-    staged = torch.stack([torch.arange(width, dtype=torch.int32), torch.arange(width, dtype=torch.int32) % 3])
+    M = meta.max_tokens
+    staged = torch.stack([torch.arange(M, dtype=torch.int32), torch.arange(M, dtype=torch.int32) % 3])
     meta.update_padded(staged)
     assert torch.equal(meta.ints, staged)
-    assert meta.positions.tolist() == list(range(M)) and meta.token_to_req.tolist() == [i % 3 for i in range(M)]
     for bad in (staged[:, :2].contiguous(), staged.long(), staged[:1]):
         with pytest.raises(ValueError, match="staged must be int32"):
             meta.update_padded(bad)
@@ -549,39 +547,6 @@ def test_hidden_states_written_into_input_rows_step_as_a_copied_input():
     for n in (0, 5):
         with pytest.raises(ValueError, match="1..4 tokens"):
             runners[0].input(n)
-
-
-@pytest.mark.parametrize("staged_changes", [2, 64])
-def test_staged_page_changes_keep_the_block_tables_the_allocators(staged_changes):
-    """``StepRunner`` carries a step's block-table changes in its staged block (at most
-    ``STAGED_CHANGES`` per table; more go through ``apply_pages``): after every step of
-    random steps (decode, drafts with rewinds, prefill chunks, releases) of a layer and of
-    a stack (one compressed table per ratio), the metadata's tables equal the allocator's
-    (its pending changes, pages given back after the step, applied)."""
-    from unittest import mock
-
-    import graphs.metadata
-    from graphs import DSV41Stack, LayerPlan
-
-    plan = LayerPlan.from_lists([0, 2, 1, 1], kv_sources=[1, 2], index_sources=[1, 2])
-    with mock.patch.object(graphs.metadata, "STAGED_CHANGES", staged_changes):
-        for model in (make_layer(2, max_seq_len=64, max_tokens=16), DSV41Stack(TINY_V41, CacheConfig(4, 16, 64, PAGE), plan)):
-            runner = make_runner(model)
-            gen, g = random.Random(staged_changes), torch.Generator().manual_seed(0)
-            for _ in range(16):
-                if gen.random() < 0.15:
-                    runner.release(gen.randrange(3))
-                pos, req = [], []
-                for r in gen.sample(range(3), gen.randint(1, 3)):
-                    start = min(max(runner.pages.high[r] + 1 - gen.choice([0, 0, 2]), 0), runner.pages.length[r])
-                    n = min(gen.choice([1, 1, 5]), 64 - start, 16 - len(pos))
-                    pos += range(start, start + n)
-                    req += [r] * n
-                runner.step(torch.randn(len(pos), model.cfg.dim, generator=g).bfloat16(), pos, req)
-                runner.meta.apply_pages(*runner.pages.take_changes())
-                assert torch.equal(runner.meta.swa_block_table, runner.pages.swa_table)
-                for ratio in runner.pages.ratios:
-                    assert torch.equal(runner.meta.cmp_table_of(ratio), runner.pages.cmp_table_of(ratio))
 
 
 def test_a_step_the_pools_cannot_serve_changes_nothing():
