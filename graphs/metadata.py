@@ -309,8 +309,8 @@ class StepMetadata(nn.Module):
         """Set block-table entries (host ``PageChanges`` of :meth:`graphs.PageAllocator.take_changes`:
         ``cmp`` one table's, or ``{ratio: changes}``; ``None`` or empty: nothing to set).
 
-        Host changes of all tables travel as one pinned buffer of flat table indices and
-        pages, in one ``non_blocking`` copy, and each table takes one ``index_put_``: a
+        Host changes of all tables travel as one pinned buffer of flat table indices (int64)
+        and pages, in one ``non_blocking`` copy, and each table takes one ``index_put_``: a
         change step costs a few host calls, not a few per table and tensor."""
         if not isinstance(cmp, dict):
             cmp = {self.only.ratio: cmp} if cmp is not None else {}
@@ -322,16 +322,21 @@ class StepMetadata(nn.Module):
         if not all(c.is_cpu and c.dtype == torch.int32 for _, changes in work for c in changes):
             raise ValueError("apply_pages takes host (CPU) int32 changes, as PageAllocator.take_changes gives them")
         device = self.swa_block_table.device
-        packed, sizes = [], []  # per table: flat indices, then pages (Python lists: a few entries per step)
+        # per table: its flat indices as int64 words (two int32 each, little-endian: CUDA's
+        # hosts and GPUs; an int32 index costs index_put_ a conversion kernel), its pages,
+        # and a pad word keeping the next table's indices 8-byte aligned
+        packed, sizes = [], []
         for table, (rows, cols, pages) in work:
-            width = table.shape[1]  # int32 indices: a table holds < 2**31 entries
-            packed += [r * width + c for r, c in zip(rows.tolist(), cols.tolist())]
-            packed += pages.tolist()
-            sizes.append(rows.numel())
+            width = table.shape[1]  # a table holds < 2**31 entries
+            for r, c in zip(rows.tolist(), cols.tolist()):
+                packed += (r * width + c, 0)
+            k = rows.numel()
+            packed += pages.tolist() + [0] * (k % 2)
+            sizes.append(k)
         moved, at = torch.tensor(packed, dtype=torch.int32, pin_memory=device.type == "cuda").to(device, non_blocking=True), 0
         for (table, _), k in zip(work, sizes):
-            table.view(-1).index_put_((moved[at:at + k],), moved[at + k:at + 2 * k])
-            at += 2 * k
+            table.view(-1).index_put_((moved[at:at + 2 * k].view(torch.int64),), moved[at + 2 * k:at + 3 * k])
+            at += 3 * k + k % 2
 
     def inputs(self, num_tokens: int, ratio: Optional[int] = None) -> StepInputs:
         """:class:`StepInputs` of the first ``num_tokens`` columns for geometry ``ratio``

@@ -549,6 +549,33 @@ def test_hidden_states_written_into_input_rows_step_as_a_copied_input():
             runners[0].input(n)
 
 
+@settings(deadline=None, max_examples=examples(0.3))
+@given(seed=st.integers(0, 2**16), steps=st.integers(1, 12))
+def test_applied_page_changes_make_the_tables_the_allocators(seed, steps):
+    """``apply_pages`` of a stack's changes (the SWA table and one compressed table per
+    ratio, odd and even numbers of changes, packed in one copy): after every step and
+    release the metadata's tables equal the allocator's host tables."""
+    from graphs import DSV41Stack, LayerPlan
+
+    gen = random.Random(seed)
+    stack = DSV41Stack(TINY_V41, CacheConfig(4, 16, 64, PAGE), LayerPlan.from_lists([0, 2, 1], kv_sources=[1, 2], index_sources=[1, 2]))
+    pages = PageAllocator.for_layer(stack, generator=torch.Generator().manual_seed(seed))
+    meta = StepMetadata.for_layer(stack)
+    for _ in range(steps):
+        if gen.random() < 0.2:
+            pages.release(gen.randrange(4))
+        else:
+            r = gen.randrange(4)
+            n = min(gen.choice([1, 3, 9, 16]), 64 - pages.length[r])
+            if n:
+                pages.plan(list(range(pages.length[r], pages.length[r] + n)), [r] * n)
+                pages.trim()
+        meta.apply_pages(*pages.take_changes())
+        assert torch.equal(meta.swa_block_table, pages.swa_table)
+        for ratio in pages.ratios:
+            assert torch.equal(meta.cmp_table_of(ratio), pages.cmp_table_of(ratio))
+
+
 def test_a_step_the_pools_cannot_serve_changes_nothing():
     """A step that needs more pages than a pool holds is refused whole: ``RuntimeError``
     naming the pool, every table, length and free page as before; a smaller step then
