@@ -310,7 +310,7 @@ class StepMetadata(nn.Module):
         ``cmp`` one table's, or ``{ratio: changes}``; ``None`` or empty: nothing to set).
 
         Host changes of all tables travel as one pinned buffer of flat table indices (int64)
-        and pages, in one ``non_blocking`` copy, and each table takes one ``index_put_``: a
+        and pages, in one ``non_blocking`` copy, and each table takes one ``put_``: a
         change step costs a few host calls, not a few per table and tensor."""
         if not isinstance(cmp, dict):
             cmp = {self.only.ratio: cmp} if cmp is not None else {}
@@ -323,7 +323,7 @@ class StepMetadata(nn.Module):
             raise ValueError("apply_pages takes host (CPU) int32 changes, as PageAllocator.take_changes gives them")
         device = self.swa_block_table.device
         # per table: its flat indices as int64 words (two int32 each, little-endian: CUDA's
-        # hosts and GPUs; an int32 index costs index_put_ a conversion kernel), its pages,
+        # hosts and GPUs; an int32 index costs a conversion kernel), its pages,
         # and a pad word keeping the next table's indices 8-byte aligned
         packed, sizes = [], []
         for table, (rows, cols, pages) in work:
@@ -335,7 +335,7 @@ class StepMetadata(nn.Module):
             sizes.append(k)
         moved, at = torch.tensor(packed, dtype=torch.int32, pin_memory=device.type == "cuda").to(device, non_blocking=True), 0
         for (table, _), k in zip(work, sizes):
-            table.view(-1).index_put_((moved[at:at + 2 * k].view(torch.int64),), moved[at + 2 * k:at + 3 * k])
+            table.put_(moved[at:at + 2 * k].view(torch.int64), moved[at + 2 * k:at + 3 * k])  # flat indices
             at += 3 * k + k % 2
 
     def inputs(self, num_tokens: int, ratio: Optional[int] = None) -> StepInputs:

@@ -342,7 +342,8 @@ class PageAllocator:
             out[kind] = None
             if entries:
                 rows, cols = zip(*entries)
-                out[kind] = tuple(torch.tensor(v, dtype=torch.int32) for v in (rows, cols, list(entries.values())))
+                # from numpy: torch.tensor of a short list costs a few times more host time
+                out[kind] = tuple(torch.from_numpy(np.array(v, np.int32)) for v in (rows, cols, list(entries.values())))
             self._changes[kind] = {}
         cmp = {r: out[r] for r in self.ratios}
         return out["swa"], (next(iter(cmp.values()), None) if self.single else cmp)
