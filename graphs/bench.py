@@ -159,6 +159,46 @@ def time_page_planning(batches=(1, 64, 256), steps: int = 200, context: int = 10
 
 
 @torch.no_grad()
+def time_step_overhead(runner: StepRunner, batch: int, position: int, *, steps: int = 300, reps: int = 3,
+                       warmup: int = 50, in_place: bool = False, stagger: bool = False) -> dict:
+    """``StepRunner.step`` wall time against the bucket's replay alone, in microseconds per
+    step: ``batch`` request rows decoding from ``position``, ``steps`` back-to-back steps
+    (after ``warmup`` steps) against ``steps`` back-to-back replays (the captured graph,
+    or the compiled / eager step where none is captured), ``reps`` times interleaved, the
+    best of each. ``in_place``: the hidden states are :meth:`StepRunner.input` itself (no
+    copy); ``stagger``: row ``r`` starts at ``position + 7 r mod page_size``, so some row
+    takes or gives back a page every step. Every row of the runner is released first.
+    Returns ``{"step_us", "replay_us", "ratio"}``."""
+    layer, device = runner.layer, runner.x.device
+    page = layer.cache_cfg.page_size
+    size = runner.bucket_for(batch)
+    replay = runner.graphs[size].replay if size in runner.graphs else (lambda: runner.run(size))
+    x = torch.randn(batch, layer.cfg.dim, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16).to(device)
+    if in_place:
+        x = runner.input(batch).copy_(x)
+    req = torch.arange(batch, dtype=torch.int32)
+    start = torch.tensor([position + ((r * 7) % page if stagger else 0) for r in range(batch)], dtype=torch.int32)
+    best = {"step_us": float("inf"), "replay_us": float("inf")}
+    for _ in range(reps):
+        for r in range(layer.cache_cfg.max_requests):
+            runner.release(r)
+        for r in range(batch):
+            runner.pages.grow(r, int(start[r]))
+        runner.meta.apply_pages(*runner.pages.take_changes())
+        for i in range(warmup):
+            runner.step(x, start + i, req)
+        positions = [start + warmup + i for i in range(steps)]
+        _sync(device)
+        begin = time.perf_counter()
+        for p in positions:
+            runner.step(x, p, req)
+        _sync(device)
+        best["step_us"] = min(best["step_us"], (time.perf_counter() - begin) / steps * 1e6)
+        best["replay_us"] = min(best["replay_us"], time_host(replay, device, steps, warmup=0))
+    return {**{k: round(v, 1) for k, v in best.items()}, "ratio": round(best["step_us"] / best["replay_us"], 3)}
+
+
+@torch.no_grad()
 def time_batches(runner: StepRunner, eager: StepRunner, batches, position: int, *, iters: int = 20,
                  replay_iters: int = 100, profile_batches=(), deadline: Optional[float] = None) -> list[dict]:
     """One row per batch size ``b`` (rows ``0..b-1`` decoding at ``position``):
