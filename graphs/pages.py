@@ -35,9 +35,9 @@ from graphs.config import CacheConfig
 from graphs.metadata import PageChanges
 
 # Steps of at most this many tokens are planned on Python ints, token by token: the array
-# path's few dozen numpy calls cost a microsecond or more each, about what a loop over this
-# many tokens costs in all.
-FEW_TOKENS = 16
+# path's few dozen numpy calls cost a microsecond or more each, and a loop over this many
+# tokens costs about as much in all (the two paths cross near it for decode steps).
+FEW_TOKENS = 12
 
 
 class PagePool:
