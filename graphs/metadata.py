@@ -312,6 +312,8 @@ class StepMetadata(nn.Module):
         Host changes of all tables travel as one pinned buffer of flat table indices (int64)
         and pages, in one ``non_blocking`` copy, and each table takes one ``put_``: a
         change step costs a few host calls, not a few per table and tensor."""
+        if swa is None and (cmp is None or isinstance(cmp, dict) and not any(c is not None for c in cmp.values())):
+            return  # most decode steps change no table
         if not isinstance(cmp, dict):
             cmp = {self.only.ratio: cmp} if cmp is not None else {}
         work = [(table, changes) for table, changes in

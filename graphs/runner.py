@@ -234,7 +234,7 @@ class StepRunner:
         if self.compiled and not self._traced:
             self.trace()
         self.pages.plan(positions, token_to_req)
-        self.meta.apply_pages(*self.pages.take_changes())  # (most decode steps change nothing)
+        self.meta.apply_pages(*self.pages.take_changes())
         self._stage(size, positions, token_to_req)
         if x is not self._x_rows.get(n):  # not the hidden states written in place (input())
             self.input(n).copy_(x, non_blocking=True)
