@@ -305,13 +305,18 @@ class StepMetadata(nn.Module):
         self.ints.copy_(staged, non_blocking=True)
 
     def apply_pages(self, swa: Optional[PageChanges] = None,
-                    cmp: Union[None, PageChanges, dict[int, Optional[PageChanges]]] = None) -> None:
+                    cmp: Union[None, PageChanges, dict[int, Optional[PageChanges]]] = None, *,
+                    staging: Optional[Tensor] = None) -> None:
         """Set block-table entries (host ``PageChanges`` of :meth:`graphs.PageAllocator.take_changes`:
         ``cmp`` one table's, or ``{ratio: changes}``; ``None`` or empty: nothing to set).
 
-        Host changes of all tables travel as one pinned buffer of flat table indices (int64)
-        and pages, in one ``non_blocking`` copy, and each table takes one ``put_``: a
-        change step costs a few host calls, not a few per table and tensor."""
+        Host changes of all tables travel as one buffer of flat table indices (int64) and
+        pages, in one ``non_blocking`` copy, and each table takes one ``put_``: a change
+        step costs a few host calls, not a few per table and tensor. ``staging``: a 1-D
+        int32 host buffer (pinned, for a CUDA layer) that no pending copy still reads, to
+        pack the changes into when they fit (:class:`graphs.StepRunner` passes one of its
+        staging ring's); else the changes go in a new buffer (a new pinned buffer costs
+        about 100 us of host time)."""
         if swa is None and (cmp is None or isinstance(cmp, dict) and not any(c is not None for c in cmp.values())):
             return  # most decode steps change no table
         if not isinstance(cmp, dict):
@@ -335,7 +340,12 @@ class StepMetadata(nn.Module):
             k = rows.numel()
             packed += pages.tolist() + [0] * (k % 2)
             sizes.append(k)
-        moved, at = torch.tensor(packed, dtype=torch.int32, pin_memory=device.type == "cuda").to(device, non_blocking=True), 0
+        if staging is not None and staging.numel() >= len(packed):
+            host = staging[:len(packed)]
+            host.numpy()[:] = packed
+        else:
+            host = torch.tensor(packed, dtype=torch.int32, pin_memory=device.type == "cuda")
+        moved, at = host.to(device, non_blocking=True), 0
         for (table, _), k in zip(work, sizes):
             table.put_(moved[at:at + 2 * k].view(torch.int64), moved[at + 2 * k:at + 3 * k])  # flat indices
             at += 3 * k + k % 2

@@ -40,6 +40,10 @@ STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
 STAGING_DEPTH = 4
 """Pinned buffers a :class:`StepRunner` stages its steps' integers in, used in turn: the
 host may plan this many steps ahead of the GPU before it waits for a buffer's copy."""
+PAGE_STAGING_WORDS = 4096
+"""int32 words of each of the ring's buffers of block-table changes (three per changed
+entry: an int64 table index and a page), enough for 1300 changes a step; a step of more
+packs into a buffer of its own."""
 
 
 class LayerStep(nn.Module):
@@ -147,6 +151,9 @@ class StepRunner:
         self._staged_host = [t.numpy() for t in self._staged]
         for host in self._staged_host:
             host[0], host[1] = -1, 0
+        # and the block-table changes of the step (StepMetadata.apply_pages), beside them
+        self._staged_pages = [torch.empty(PAGE_STAGING_WORDS, dtype=torch.int32, pin_memory=pinned)
+                              for _ in range(STAGING_DEPTH)]
         self._staged_copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING_DEPTH)]
         self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if pinned else None
         self._turn = 0
@@ -234,8 +241,9 @@ class StepRunner:
         if self.compiled and not self._traced:
             self.trace()
         self.pages.plan(positions, token_to_req)
-        self.meta.apply_pages(*self.pages.take_changes())
-        self._stage(size, positions, token_to_req)
+        turn = self._next_turn()
+        self.meta.apply_pages(*self.pages.take_changes(), staging=self._staged_pages[turn])
+        self._stage(turn, size, positions, token_to_req)
         if x is not self._x_rows.get(n):  # not the hidden states written in place (input())
             self.input(n).copy_(x, non_blocking=True)
         if self.cuda_graphs and size in self.buckets:
@@ -260,15 +268,20 @@ class StepRunner:
             rows = self._x_rows[n] = self.x[:n]
         return rows
 
-    def _stage(self, size: int, positions: list[int] | np.ndarray, token_to_req: list[int] | np.ndarray) -> None:
-        """Copy the step's ``[n]`` integers, padded to the bucket's ``size`` (position
-        ``-1``, request row 0), into the layer's metadata through the next pinned buffer
-        (:meth:`StepMetadata.update_padded`)."""
+    def _next_turn(self) -> int:
+        """The staging ring's next buffers, once the copies that read them last have run."""
         i = self._turn
         self._turn = (i + 1) % STAGING_DEPTH
+        if self._staged_copied[i] is not None:
+            self._staged_copied[i].synchronize()  # at once, unless the GPU is STAGING_DEPTH steps behind
+        return i
+
+    def _stage(self, i: int, size: int, positions: list[int] | np.ndarray,
+               token_to_req: list[int] | np.ndarray) -> None:
+        """Copy the step's ``[n]`` integers, padded to the bucket's ``size`` (position
+        ``-1``, request row 0), into the layer's metadata through the staging ring's buffer
+        ``i`` (:meth:`StepMetadata.update_padded`)."""
         copied, host, n = self._staged_copied[i], self._staged_host[i], len(positions)
-        if copied is not None:
-            copied.synchronize()  # at once, unless the GPU is STAGING_DEPTH steps behind
         host[0, :n], host[1, :n] = positions, token_to_req
         if n < size:
             host[0, n:size], host[1, n:size] = -1, 0

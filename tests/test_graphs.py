@@ -554,10 +554,13 @@ def test_hidden_states_written_into_input_rows_step_as_a_copied_input():
 def test_applied_page_changes_make_the_tables_the_allocators(seed, steps):
     """``apply_pages`` of a stack's changes (the SWA table and one compressed table per
     ratio, odd and even numbers of changes, packed in one copy): after every step and
-    release the metadata's tables equal the allocator's host tables."""
+    release the metadata's tables equal the allocator's host tables, whether the changes
+    are packed into a staging buffer they fit in (which then holds them) or one too small
+    (left alone: they go in a new buffer)."""
     from graphs import DSV41Stack, LayerPlan
 
     gen = random.Random(seed)
+    staging = torch.full((gen.choice([4, 64]),), -7, dtype=I32)
     stack = DSV41Stack(TINY_V41, CacheConfig(4, 16, 64, PAGE), LayerPlan.from_lists([0, 2, 1], kv_sources=[1, 2], index_sources=[1, 2]))
     pages = PageAllocator.for_layer(stack, generator=torch.Generator().manual_seed(seed))
     meta = StepMetadata.for_layer(stack)
@@ -570,7 +573,11 @@ def test_applied_page_changes_make_the_tables_the_allocators(seed, steps):
             if n:
                 pages.plan(list(range(pages.length[r], pages.length[r] + n)), [r] * n)
                 pages.trim()
-        meta.apply_pages(*pages.take_changes())
+        swa, cmp = pages.take_changes()
+        words = sum(3 * c[0].numel() + c[0].numel() % 2 for c in [swa, *cmp.values()] if c is not None)
+        staging.fill_(-7)
+        meta.apply_pages(swa, cmp, staging=staging)
+        assert bool((staging == -7).all()) == (words == 0 or words > staging.numel())
         assert torch.equal(meta.swa_block_table, pages.swa_table)
         for ratio in pages.ratios:
             assert torch.equal(meta.cmp_table_of(ratio), pages.cmp_table_of(ratio))
