@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -329,24 +330,23 @@ class StepMetadata(nn.Module):
         if not all(c.is_cpu and c.dtype == torch.int32 for _, changes in work for c in changes):
             raise ValueError("apply_pages takes host (CPU) int32 changes, as PageAllocator.take_changes gives them")
         device = self.swa_block_table.device
-        # per table: its flat indices as int64 words (two int32 each, little-endian: CUDA's
-        # hosts and GPUs; an int32 index costs a conversion kernel), its pages,
-        # and a pad word keeping the next table's indices 8-byte aligned
-        packed, sizes = [], []
-        for table, (rows, cols, pages) in work:
-            width = table.shape[1]  # a table holds < 2**31 entries
-            for r, c in zip(rows.tolist(), cols.tolist()):
-                packed += (r * width + c, 0)
-            k = rows.numel()
-            packed += pages.tolist() + [0] * (k % 2)
-            sizes.append(k)
-        if staging is not None and staging.numel() >= len(packed):
-            host = staging[:len(packed)]
-            host.numpy()[:] = packed
+        # per table: its flat indices as int64 words (two int32 each, native byte order, as
+        # the device reads them: an int32 index costs a conversion kernel), its pages, and a
+        # pad word keeping the next table's indices 8-byte aligned
+        words = sum(3 * c[0].numel() + c[0].numel() % 2 for _, c in work)
+        if staging is not None and staging.numel() >= words:
+            host = staging[:words]
         else:
-            host = torch.tensor(packed, dtype=torch.int32, pin_memory=device.type == "cuda")
+            host = torch.empty(words, dtype=torch.int32, pin_memory=device.type == "cuda")
+        packed, at = host.numpy(), 0
+        for table, (rows, cols, pages) in work:
+            k = rows.numel()
+            packed[at:at + 2 * k].view(np.int64)[:] = rows.numpy().astype(np.int64) * table.shape[1] + cols.numpy()
+            packed[at + 2 * k:at + 3 * k] = pages.numpy()
+            at += 3 * k + k % 2
         moved, at = host.to(device, non_blocking=True), 0
-        for (table, _), k in zip(work, sizes):
+        for table, (rows, _, _) in work:
+            k = rows.numel()
             table.put_(moved[at:at + 2 * k].view(torch.int64), moved[at + 2 * k:at + 3 * k])  # flat indices
             at += 3 * k + k % 2
 
