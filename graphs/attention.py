@@ -150,11 +150,11 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device) if gate else None
         # [wkv; wgate] as bf16 high parts over bf16 low parts: bf16 tokens times both parts
         # with fp32 accumulation is the fp32 product to 2**-16 of each weight, on bf16 tensor
-        # cores instead of fp32 ones; derived from the weights at load (split_weights)
+        # cores instead of fp32 ones; derived from the weights (split_weights, which the layer
+        # calls at load)
         rows = 2 * (2 if gate else 1) * width
         self.register_buffer("split", torch.zeros(rows, cfg.dim, dtype=torch.bfloat16, device=device),
                              persistent=False)
-        self.register_load_state_dict_post_hook(lambda module, keys: module.split_weights())
         self.norm = RMSNorm(head_dim, cfg.norm_eps, device)
         self.ring = cache.compressor_ring(ratio, overlap)
         self.register_buffer("state", torch.zeros(3, cache.max_requests + 1, self.ring, width, device=device),
@@ -162,19 +162,29 @@ class Compressor(nn.Module):
 
     @torch.no_grad()
     def split_weights(self) -> None:
-        """Refresh ``split`` from ``wkv`` and ``wgate`` (``load_state_dict`` and
-        ``reset_parameters`` do; call it after changing the weights in place)."""
+        """Refresh ``split`` from ``wkv`` and ``wgate`` (the layer's ``load_state_dict``,
+        ``reset_parameters`` and ``refresh_splits`` do). Weights that are bf16 values
+        (DeepSeek's checkpoints hold the compressors' in bf16) have no low parts: ``split``
+        is then the high parts alone, and the step reads half the bytes."""
         w = torch.cat([self.wkv.weight] + ([self.wgate.weight] if self.wgate is not None else []))
         high = w.to(torch.bfloat16)
-        self.split.copy_(torch.cat([high, (w - high.float()).to(torch.bfloat16)]))
+        low = (w - high.float()).to(torch.bfloat16)
+        split = torch.cat([high, low]) if low.any() else high
+        if split.shape == self.split.shape:
+            self.split.copy_(split)
+        else:  # the other layout: a new buffer, which the layer stacks again
+            self.split = split.contiguous()
 
     def gates(self, parts: Tensor) -> tuple[Tensor, Tensor]:
         """``(wkv(x), wgate(x))``, each ``[T, width]`` fp32, from ``parts = x @ split^T``
         (``[T, split rows]`` fp32: the layer computes it in its stacked x projection; gate
         logits of zero without ``wgate``)."""
-        half = parts.shape[1] // 2
-        both = parts[:, :half] + parts[:, half:]
         n = self.width
+        if parts.shape[1] == n * (2 if self.wgate is not None else 1):
+            both = parts  # high parts alone: the weights are bf16 values
+        else:
+            half = parts.shape[1] // 2
+            both = parts[:, :half] + parts[:, half:]
         kv = both[:, :n]
         return kv, (both[:, n:] if self.wgate is not None else torch.zeros_like(kv))
 
@@ -463,7 +473,7 @@ class DSV41Attention(nn.Module):
         self.requires_grad_(False)  # inference only: caches are written in place every step
         self.stacks: dict[str, tuple[StackedRows, ...]] = {}
         self._stack_projections()
-        self.register_load_state_dict_post_hook(lambda module, keys: module._stack_projections(if_split=True))
+        self.register_load_state_dict_post_hook(lambda module, keys: module.refresh_splits())
         self.register_state_dict_post_hook(_unshare_stacked)
 
     def _projections(self) -> dict[str, list[tuple[str, nn.Module, Tensor]]]:
@@ -479,6 +489,18 @@ class DSV41Attention(nn.Module):
             x.append(("indexer.weights_proj", self.indexer.weights_proj, self.indexer.weights_proj.weight))
             q.append(("indexer.wq_b", self.indexer.wq_b, self.indexer.wq_b.weight))
         return {"x": x, "q": q}
+
+    @torch.no_grad()
+    def refresh_splits(self) -> None:
+        """Derive what the step reads from the loaded weights: each compressor's ``split``
+        (:meth:`Compressor.split_weights`), and the stacked projections where a weight is no
+        longer a view of its stack. ``load_state_dict`` and ``reset_parameters`` call it;
+        call it after changing weights in place (before capturing graphs: a compressor's
+        ``split`` may change size)."""
+        for m in self.modules():
+            if isinstance(m, Compressor):
+                m.split_weights()
+        self._stack_projections(if_split=True)
 
     @torch.no_grad()
     def _stack_projections(self, if_split: bool = False) -> None:
@@ -559,9 +581,11 @@ class DSV41Attention(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """Random weights: linear ``N(0, 1/in)``, norms ``1 + N(0, 0.1^2)``, ``ape`` and
-        ``attn_sink`` ``N(0, 0.5^2)``; drawn on the CPU so every device gets the same, and
-        drawn at their full (DCP=1) shapes, so every rank holds its shard of one layer."""
+        """Random weights: linear ``N(0, 1/in)`` (the compressors' fp32 ``wkv`` / ``wgate``
+        rounded to bf16 values, as DeepSeek's checkpoints hold them), norms ``1 + N(0,
+        0.1^2)``, ``ape`` and ``attn_sink`` ``N(0, 0.5^2)``; drawn on the CPU so every device
+        gets the same, and drawn at their full (DCP=1) shapes, so every rank holds its shard
+        of one layer."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in sorted(self.named_parameters()):
             if name.endswith(".scale"):  # set with its FP8 weight below
@@ -573,6 +597,8 @@ class DSV41Attention(nn.Module):
                 value = 0.5 * torch.randn(shape, generator=gen)
             else:
                 value = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+                if name.split(".")[-2] in ("wkv", "wgate") and "compressor" in name:
+                    value = value.to(torch.bfloat16).float()
             value = self.shard(name, value)
             if p.dtype == torch.float8_e4m3fn:  # the bf16 layer of this seed, quantized
                 q, scale = quantize_blocks(value.to(torch.bfloat16), self.cfg.weight_block)
@@ -580,9 +606,12 @@ class DSV41Attention(nn.Module):
                 self.get_parameter(name[: -len("weight")] + "scale").copy_(scale)
             else:
                 p.copy_(value)
-        for m in self.modules():
-            if isinstance(m, Compressor):
-                m.split_weights()
+        if getattr(self, "stacks", None):
+            self.refresh_splits()
+        else:  # in __init__, before the stacks
+            for m in self.modules():
+                if isinstance(m, Compressor):
+                    m.split_weights()
 
     def full_shape(self, name: str, p: Tensor) -> tuple[int, ...]:
         """The DCP=1 shape of parameter ``name`` (``p`` its local shard)."""

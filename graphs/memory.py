@@ -25,26 +25,31 @@ def _compressor_state(cfg: AttentionConfig, cache: CacheConfig, ratio: int, head
     return (cache.max_requests + 1) * ring * 3 * (2 if overlap else 1) * head_dim * FP32
 
 
-def _compressor_split(cfg: AttentionConfig, ratio: int, head_dim: int) -> int:
-    """``split``: ``wkv`` and ``wgate`` as bf16 high and low parts, ``4 * width * dim`` bf16
-    (V4.1's ratio 1 has no ``wgate``: ``2 * width * dim``)."""
+def _compressor_split(cfg: AttentionConfig, ratio: int, head_dim: int, bf16_compressors: bool) -> int:
+    """``split``: ``wkv`` and ``wgate`` in bf16, ``2 * width * dim`` bf16, as high and low
+    parts for fp32 weights twice that (V4.1's ratio 1 has no ``wgate``: half)."""
     projections = 1 if cfg.v41 and ratio == 1 else 2
-    return 2 * projections * (2 if cfg.overlaps(ratio) else 1) * head_dim * cfg.dim * 2
+    parts = 1 if bf16_compressors else 2
+    return parts * projections * (2 if cfg.overlaps(ratio) else 1) * head_dim * cfg.dim * 2
 
 
 def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int,
-                 role: Optional[LayerRole] = None, candidate_blocks: int = 0) -> dict[str, int]:
+                 role: Optional[LayerRole] = None, candidate_blocks: int = 0,
+                 bf16_compressors: bool = True) -> dict[str, int]:
     """Bytes of each buffer group of the layer; ``role``: its place in a
     :class:`graphs.LayerPlan` (default: it owns its cache and top-k), where only a kv source holds the compressed and index-key caches and the
     compressor, only an index source (or a dense layer) the top-k buffer, and the candidate
-    source ``candidate_blocks`` more int32 per step token.
+    source ``candidate_blocks`` more int32 per step token; ``bf16_compressors``: the
+    compressors' weights are bf16 values (DeepSeek's checkpoints, ``reset_parameters``),
+    else fp32 ones.
 
     * ``swa_cache``: ``swa_pages * page_size * bytes_per_token(kv_format)``, the pool
       (default ``CacheConfig.default_swa_pages``: every row's window plus one step)
     * ``cmp_cache``: ``cmp_pages * block_size * bytes_per_token(kv_format)``
     * ``index_cache``: ``cmp_pages * block_size * (132 fp8 | 256 bf16)``
     * ``compressor_state``: the compressors' ``(R + 1)``-row fp32 state rings (main and indexer)
-    * ``compressor_split``: the compressors' projections as bf16 high and low parts
+    * ``compressor_split``: the compressors' projections in bf16 (fp32 weights: as bf16
+      high and low parts, twice the bytes)
     * ``step_scratch``: ``topk_ids [max_tokens, K]`` int32, the RoPE tables
       ``2 * max_seq_len * rope_dim / 2`` fp32, the Hadamard matrix,
       ``candidate_ids [max_tokens, candidate_blocks]`` int32 (``sparse_mla``'s split-K partials
@@ -60,12 +65,12 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int,
         entries = cache.cmp_num_pages(ratio) * cache.block_size(ratio)
         out["cmp_cache"] = entries * kv
         out["compressor_state"] = _compressor_state(cfg, cache, ratio, cfg.head_dim)
-        out["compressor_split"] = _compressor_split(cfg, ratio, cfg.head_dim)
+        out["compressor_split"] = _compressor_split(cfg, ratio, cfg.head_dim, bf16_compressors)
         if cfg.has_indexer(ratio):
             out["index_cache"] = entries * get_index_format(cache.index_format).bytes_per_token
             if not cfg.v41:  # V4's indexer has a compressor of its own; V4.1's reads the latent
                 out["compressor_state"] += _compressor_state(cfg, cache, ratio, INDEX_DIM)
-                out["compressor_split"] += _compressor_split(cfg, ratio, INDEX_DIM)
+                out["compressor_split"] += _compressor_split(cfg, ratio, INDEX_DIM, bf16_compressors)
     if owns_ids:
         topk = min(cfg.index_topk, cache.max_entries(ratio)) if cfg.has_indexer(ratio) else cache.max_entries(ratio)
     rotation = INDEX_DIM * INDEX_DIM * 2 if compresses and cfg.has_indexer(ratio) and not cfg.v41 else 0

@@ -86,6 +86,26 @@ def test_decode_matches_full_history_oracle(ratio, max_seq_len, steps):
     check_against_oracle(layer, xs, outs, topk)
 
 
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_decode_with_fp32_compressor_weights_matches_the_oracle(ratio):
+    """Compressor weights off the bf16 grid (run as high and low parts) against the oracle,
+    which multiplies the fp32 weights."""
+    layer = make_layer(ratio, max_seq_len=32)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "compressor.w" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+    layer.refresh_splits()
+    assert layer.compressor.split.shape[0] == 4 * layer.compressor.width
+    runner = make_runner(layer)
+    workload = staggered(3, 24, stagger=5)
+    xs = hidden_states(workload, TINY.dim, seed=1)
+    with torch.no_grad():
+        outs, topk = run_workload(runner.step, workload, xs, watch=layer.topk_ids)
+    check_against_oracle(layer, xs, outs, topk)
+
+
 def prompt_then_decode(prompt: int, decode: int, chunk: int) -> Workload:
     return mixed_workload([prompt], decode, chunk=chunk, max_tokens=64, rows=1)
 
@@ -409,6 +429,13 @@ def test_buffer_bytes_formula_equals_the_layers_buffers(cfg, ratio, kv_format, i
     got = {name: b.numel() * b.element_size() for name, b in layer.named_buffers()}
     want = buffer_bytes(cfg, cache, ratio)
     assert want["total"] == sum(got.values())
+    for name, p in layer.named_parameters():  # fp32 compressor weights: high and low parts
+        if "compressor.w" in name:
+            p.add_(1e-5)
+    layer.refresh_splits()
+    split = sum(b.numel() * b.element_size() for name, b in layer.named_buffers() if name.endswith("split"))
+    assert split == buffer_bytes(cfg, cache, ratio, bf16_compressors=False)["compressor_split"] == (
+        2 * want["compressor_split"])
     assert want["swa_cache"] == got["swa_cache"]
     if ratio:
         assert want["cmp_cache"] == got["cmp_cache"] == 7 * cache.block_size(ratio) * got["cmp_cache"] // (
@@ -419,14 +446,23 @@ def test_buffer_bytes_formula_equals_the_layers_buffers(cfg, ratio, kv_format, i
 
 @pytest.mark.parametrize("ratio", [2, 4])
 def test_compressor_projection_is_the_fp32_product_and_follows_loaded_weights(ratio):
-    """The compressors run ``wkv`` / ``wgate`` (fp32 weights) as bf16 high and low parts:
-    equal to the fp32 product within 2**-14 of its largest value through the layer's stacked
-    x projection, refreshed by ``load_state_dict``."""
+    """The compressors run ``wkv`` / ``wgate`` (fp32 weights) in bf16: bf16 values as they
+    are, other fp32 values as bf16 high and low parts (twice the rows); either way equal to
+    the fp32 product within 2**-14 of its largest value through the layer's stacked x
+    projection, refreshed by ``load_state_dict`` in both directions."""
     layer = DSV41Attention(TINY, CacheConfig(4, 4, 64, PAGE), ratio)
     other = DSV41Attention(TINY, CacheConfig(4, 4, 64, PAGE), ratio, seed=9)
+    fp32 = DSV41Attention(TINY, CacheConfig(4, 4, 64, PAGE), ratio, seed=9)
+    gen = torch.Generator().manual_seed(1)
+    for name, p in fp32.named_parameters():
+        if "compressor.w" in name:
+            p.add_(torch.randn(p.shape, generator=gen) * 1e-5)  # off the bf16 grid
+    fp32.refresh_splits()
     x = torch.randn(5, TINY.dim, generator=torch.Generator().manual_seed(0)).bfloat16()
-    for source in (layer, other):
+    for source, parts_per_weight in ((layer, 1), (fp32, 2), (other, 1)):
         layer.load_state_dict(source.state_dict())
+        for comp in (layer.compressor, layer.indexer.compressor):
+            assert comp.split.shape[0] == parts_per_weight * 2 * comp.width
         parts = project(layer, layer.stacks["x"], x)
         for name, comp, want_from in (("compressor", layer.compressor, source.compressor),
                                       ("indexer.compressor", layer.indexer.compressor, source.indexer.compressor)):
