@@ -45,7 +45,7 @@ from compile_ops._cli import description
 from compile_ops.formats import KV_FORMATS
 from graphs import DEFAULT_BUCKETS, PRESETS, TINY, V41_FLASH, CacheConfig, DSV41Attention, StepRunner, buffer_bytes
 from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
-                          time_large_steps, time_page_planning, time_prefill, time_replay, weight_bytes)
+                          time_large_steps, time_page_planning, time_prefill, time_replay, read_weight_bytes, weight_bytes)
 from graphs.fp8 import FP8_WEIGHTS_REL_TOL, dequantized_state_dict
 from graphs.naive import FP8_CACHE_REL_TOL, REL_TOL, oracle_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
@@ -234,7 +234,7 @@ def time_gpu(args, runner: StepRunner, info: dict, start: float, deadline: float
         progress(ratio, start, "decode step times per batch at 1024 tokens")
         info["rows"] = time_batches(runner, eager, batches, 1024, iters=args.iters,
                                     replay_iters=5 * args.iters, profile_batches={1, 64, 256}, deadline=deadline)
-        info["weight_floor_us"] = round(weight_bytes(layer) / COPY_BYTES_PER_S * 1e6, 1)
+        info["weight_floor_us"] = round(read_weight_bytes(layer) / COPY_BYTES_PER_S * 1e6, 1)
     del eager
     if bf16_twin is not None and not late():
         progress(ratio, start, "the bf16 layer's decode step times, compiled and captured")
@@ -243,7 +243,7 @@ def time_gpu(args, runner: StepRunner, info: dict, start: float, deadline: float
         fill_random(bf16_twin)
         info["rows_bf16"] = time_batches(twin, eager_twin(bf16_twin, runner.buckets), batches, 1024, iters=args.iters,
                                          replay_iters=5 * args.iters, profile_batches={1, 64, 256}, deadline=deadline)
-        info["weight_floor_bf16_us"] = round(weight_bytes(bf16_twin) / COPY_BYTES_PER_S * 1e6, 1)
+        info["weight_floor_bf16_us"] = round(read_weight_bytes(bf16_twin) / COPY_BYTES_PER_S * 1e6, 1)
         del twin
     if not late():
         progress(ratio, start, "steps of 512..8192 tokens: host vs wall time")

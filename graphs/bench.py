@@ -30,7 +30,7 @@ import compile_ops
 from compile_ops.bench import BF16_FLOPS_PER_S, COPY_BYTES_PER_S
 from compile_ops.formats import get_format
 from compile_ops.indexer.cache import INDEX_DIM, get_index_format
-from graphs.attention import DSV41Attention
+from graphs.attention import Compressor, DSV41Attention
 from graphs.config import V41_FLASH, AttentionConfig, CacheConfig
 from graphs.runner import StepRunner
 
@@ -239,7 +239,19 @@ def time_batches(runner: StepRunner, eager: StepRunner, batches, position: int, 
 
 
 def weight_bytes(layer: DSV41Attention) -> int:
+    """Bytes of the layer's parameters (what it holds; :func:`read_weight_bytes`: what a
+    step reads)."""
     return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+def read_weight_bytes(layer: DSV41Attention) -> int:
+    """Bytes of the weights a step reads: the parameters, with each compressor's fp32
+    ``wkv`` / ``wgate`` counted as the bf16 ``split`` the step multiplies (half their bytes
+    for bf16-valued weights, the same bytes as high and low parts)."""
+    compressors = [m for m in layer.modules() if isinstance(m, Compressor)]
+    held = {id(p) for c in compressors for p in (c.wkv.weight, c.wgate.weight if c.wgate is not None else None)}
+    return (sum(p.numel() * p.element_size() for p in layer.parameters() if id(p) not in held)
+            + sum(c.split.numel() * c.split.element_size() for c in compressors))
 
 
 def decode_floor_us(layer: DSV41Attention, batch: int, context: int) -> dict:
@@ -251,7 +263,7 @@ def decode_floor_us(layer: DSV41Attention, batch: int, context: int) -> dict:
     entries = context // r if r else 0
     keys = batch * entries * get_index_format(c.index_format).bytes_per_token if layer.indexer is not None else 0
     attended = batch * (layer.cfg.window_size + min(layer.topk, entries)) * row
-    parts = {"weights": weight_bytes(layer), "index_keys": keys, "attention_rows": attended}
+    parts = {"weights": read_weight_bytes(layer), "index_keys": keys, "attention_rows": attended}
     return {"bytes": parts, "floor_us": sum(parts.values()) / COPY_BYTES_PER_S * 1e6}
 
 

@@ -38,3 +38,25 @@ def test_step_overhead_runs_real_decode_steps_and_times_both(stagger):
     got = time_step_overhead(runner, 3, 20, steps=2, reps=2, warmup=1, in_place=stagger, stagger=stagger)
     assert got["step_us"] > 0 and got["replay_us"] > 0 and got["ratio"] == pytest.approx(got["step_us"] / got["replay_us"], rel=1e-2)
     assert runner.pages.length == [20 + (7 * r % 4 if stagger else 0) + 3 for r in range(3)] + [0] * 3
+
+
+def test_the_decode_floor_counts_the_compressor_weights_the_step_reads():
+    """``read_weight_bytes`` (the weights of the decode floor): the parameters, with the
+    compressors' fp32 ``wkv`` / ``wgate`` counted as the bf16 they are read in, half their
+    bytes when they hold bf16 values, all of them when they do not (high and low parts)."""
+    import torch
+
+    from graphs import TINY, CacheConfig, DSV41Attention
+    from graphs.bench import decode_floor_us, read_weight_bytes, weight_bytes
+
+    layer = DSV41Attention(TINY, CacheConfig(2, 4, 64, 4), compress_ratio=4)
+    compressor_bytes = sum(p.numel() * 4 for n, p in layer.named_parameters() if "compressor.w" in n)
+    assert compressor_bytes > 0
+    assert read_weight_bytes(layer) == weight_bytes(layer) - compressor_bytes // 2
+    assert decode_floor_us(layer, 1, 16)["bytes"]["weights"] == read_weight_bytes(layer)
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            if "compressor.w" in n:
+                p.add_(1e-4)
+    layer.refresh_splits()
+    assert read_weight_bytes(layer) == weight_bytes(layer)
