@@ -18,6 +18,14 @@ from compile_ops.indexer.cache import IndexFormat
 
 RAW, TENSOR_SCALED, BLOCK_SCALED = 0, 1, 2  # how a format stores a row (the kernel's MODE)
 @triton.jit
+def _slot_ok(given, n_slots, like):
+    # the row's slot is in range, as a mask shaped like ``like``: a scalar mask broadcast to
+    # a store loses its boolean type in Triton 3.9's interpreter
+    at = given + tl.zeros_like(like).to(tl.int64)
+    return (at >= 0) & (at < n_slots)
+
+
+@triton.jit
 def _store_rows_kernel(
     cache, s_page, values, s_v, slots, s_s, n_slots, page_size, kv_scale,
     MODE: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr, NB: tl.constexpr,
@@ -29,20 +37,20 @@ def _store_rows_kernel(
     ``NB`` blocks of ``QB``, each under a power-of-two scale (``SCALE`` scale bytes per row:
     ue8m0 exponents, zero padded, or one fp32), the other ``D - NOPE`` as bf16."""
     i_n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots + i_n * s_s).to(tl.int64)
-    ok = (slot >= 0) & (slot < n_slots)
-    slot = tl.where(ok, slot, 0)
+    given = tl.load(slots + i_n * s_s).to(tl.int64)
+    ok = (given >= 0) & (given < n_slots)
+    slot = tl.where(ok, given, 0)
     page = slot // page_size
     off = slot - page * page_size
     base = cache + page * s_page
     row = values + i_n * s_v
     if MODE == 0:
         o_d = tl.arange(0, D)
-        tl.store(base + off * D + o_d, to_bf16(tl.load(row + o_d).to(tl.float32)), mask=ok)
+        tl.store(base + off * D + o_d, to_bf16(tl.load(row + o_d).to(tl.float32)), mask=_slot_ok(given, n_slots, o_d))
     elif MODE == 1:
         o_d = tl.arange(0, D)
         x = tl.math.div_rn(tl.load(row + o_d).to(tl.float32), kv_scale)
-        tl.store(base + off * D + o_d, to_e4m3(x), mask=ok)
+        tl.store(base + off * D + o_d, to_e4m3(x), mask=_slot_ok(given, n_slots, o_d))
     else:
         o_b = tl.arange(0, NB_PAD)
         o_q = tl.arange(0, QB)
@@ -53,19 +61,20 @@ def _store_rows_kernel(
         inverse = power_of_two(254 - exponent)  # 1 / scale, exact
         e4m3 = to_e4m3(x * inverse[:, None]).to(tl.uint8, bitcast=True)
         data = base + off * DATA
-        tl.store(data + o_v, e4m3, mask=ok & m_b[:, None])
+        tl.store(data + o_v, e4m3, mask=_slot_ok(given, n_slots, o_v) & m_b[:, None])
         if NOPE < D:  # the RoPE values, bf16 after the e4m3 ones, stored a byte at a time:
             # under an odd page stride (a cache viewed out of a larger pool) they sit at odd
             # addresses, where a 2-byte store faults
             o_r = tl.arange(0, D - NOPE)
             rope = to_bf16(tl.load(row + NOPE + o_r).to(tl.float32)).to(tl.uint16, bitcast=True)
-            tl.store(data + NOPE + 2 * o_r, (rope & 0xFF).to(tl.uint8), mask=ok)
-            tl.store(data + NOPE + 2 * o_r + 1, (rope >> 8).to(tl.uint8), mask=ok)
+            tl.store(data + NOPE + 2 * o_r, (rope & 0xFF).to(tl.uint8), mask=_slot_ok(given, n_slots, o_r))
+            tl.store(data + NOPE + 2 * o_r + 1, (rope >> 8).to(tl.uint8), mask=_slot_ok(given, n_slots, o_r))
         scales = base + page_size * DATA + off * SCALE
         if FP32_SCALE:
-            tl.store(scales.to(tl.pointer_type(tl.float32)) + o_b, power_of_two(exponent), mask=ok & m_b)
+            tl.store(scales.to(tl.pointer_type(tl.float32)) + o_b, power_of_two(exponent), mask=_slot_ok(given, n_slots, o_b) & m_b)
         else:
-            tl.store(scales + o_b, tl.where(m_b, exponent, 0).to(tl.uint8), mask=ok & (o_b < SCALE))
+            tl.store(scales + o_b, tl.where(m_b, exponent, 0).to(tl.uint8),
+                     mask=_slot_ok(given, n_slots, o_b) & (o_b < SCALE))
 
 
 def _layout(fmt: Union[KVFormat, IndexFormat]) -> dict:

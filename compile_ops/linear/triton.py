@@ -121,7 +121,9 @@ def _fp8_gemm_kernel(
                       other=0.0)
         t_b = tl.load(b + o_n[:, None].to(tl.int64) * stride_bn + k[None, :], mask=m_n[:, None] & m_k[None, :],
                       other=0.0)
-        live = i * BK < K  # the interpreter's fixed trip count runs past the last block
+        # the interpreter's fixed trip count runs past the last block (as tensors shaped like
+        # the masks: a scalar mask loses its boolean type in Triton 3.9's interpreter)
+        live_m, live_n = i * BK + tl.zeros_like(o_m) < K, i * BK + tl.zeros_like(o_n) < K
         if SB > 0:  # weight-only, power-of-two scales of SB x SB blocks inside the step: the
             # weight tile is dequantized in registers first (exact in bf16), then one wide dot;
             # the tile's [BN / SB, BK / SB] scales are loaded once and broadcast to its elements
@@ -147,15 +149,15 @@ def _fp8_gemm_kernel(
                     part = tl.dot(t_a.to(tl.float32), tl.trans(t_b.to(tl.float32)))
                 else:
                     part = tl.dot(t_a, tl.trans(e4m3_to_bf16(t_b)))
-                s_a = tl.where(m_m & live, 1.0, 0.0)
+                s_a = tl.where(m_m & live_m, 1.0, 0.0)
             else:
                 part = tl.dot(t_a, tl.trans(t_b), max_num_imprecise_acc=0)
-                s_a = tl.load(a_s + o_m * stride_asm + i * stride_ask, mask=m_m & live, other=0.0)
+                s_a = tl.load(a_s + o_m * stride_asm + i * stride_ask, mask=m_m & live_m, other=0.0)
             if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
-                s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0).to(tl.int32)
+                s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live_n, other=0).to(tl.int32)
                 s_b = (s_b << 23).to(tl.float32, bitcast=True)
             else:
-                s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live, other=0.0)
+                s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live_n, other=0.0)
             acc += part * s_a[:, None] * s_b[None, :]
     if SWAP:
         acc = tl.trans(acc)
