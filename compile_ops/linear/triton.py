@@ -112,8 +112,7 @@ def _fp8_gemm_kernel(
     # then fill its N instead of padding its 64-row M)
     acc = tl.zeros([BN, BM] if SWAP else [BM, BN], tl.float32)
     first = i_s * BLOCKS_PER_SPLIT
-    steps = ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)
-    for j in range(0, steps):
+    for j in range(0, ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)):
         i = first + j
         k = i * BK + o_k
         m_k = k < K
@@ -188,8 +187,7 @@ def _fp8_gemv_kernel(
     s_row = w_s + ((i_n * BN) // SB).to(tl.int64) * stride_sn
     acc = tl.zeros([BN, BK // 16], tl.float32)
     first = i_s * BLOCKS_PER_SPLIT
-    steps = ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)
-    for j in range(0, steps):
+    for j in range(0, ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)):
         k = (first + j) * BK + o_k
         m_k = k < K
         if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
