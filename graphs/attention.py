@@ -173,7 +173,7 @@ class Compressor(nn.Module):
         if split.shape == self.split.shape:
             self.split.copy_(split)
         else:  # the other layout: a new buffer, which the layer stacks again
-            self.split = split.contiguous()
+            self.split = split
 
     def gates(self, parts: Tensor) -> tuple[Tensor, Tensor]:
         """``(wkv(x), wgate(x))``, each ``[T, width]`` fp32, from ``parts = x @ split^T``
@@ -469,9 +469,9 @@ class DSV41Attention(nn.Module):
             "candidate_ids", torch.full((cache.max_tokens, candidates[0]), -1, dtype=torch.int32, device=device)
             if candidates[0] else None, persistent=False
         )
+        self.stacks: dict[str, tuple[StackedRows, ...]] = {}  # none until _stack_projections
         self.reset_parameters(seed)
         self.requires_grad_(False)  # inference only: caches are written in place every step
-        self.stacks: dict[str, tuple[StackedRows, ...]] = {}
         self._stack_projections()
         self.register_load_state_dict_post_hook(lambda module, keys: module.refresh_splits())
         self.register_state_dict_post_hook(_unshare_stacked)
@@ -606,12 +606,7 @@ class DSV41Attention(nn.Module):
                 self.get_parameter(name[: -len("weight")] + "scale").copy_(scale)
             else:
                 p.copy_(value)
-        if getattr(self, "stacks", None):
-            self.refresh_splits()
-        else:  # in __init__, before the stacks
-            for m in self.modules():
-                if isinstance(m, Compressor):
-                    m.split_weights()
+        self.refresh_splits()
 
     def full_shape(self, name: str, p: Tensor) -> tuple[int, ...]:
         """The DCP=1 shape of parameter ``name`` (``p`` its local shard)."""

@@ -249,7 +249,7 @@ def read_weight_bytes(layer: DSV41Attention) -> int:
     ``wkv`` / ``wgate`` counted as the bf16 ``split`` the step multiplies (half their bytes
     for bf16-valued weights, the same bytes as high and low parts)."""
     compressors = [m for m in layer.modules() if isinstance(m, Compressor)]
-    held = {id(p) for c in compressors for p in (c.wkv.weight, c.wgate.weight if c.wgate is not None else None)}
+    held = {id(linear.weight) for c in compressors for linear in (c.wkv, c.wgate) if linear is not None}
     return (sum(p.numel() * p.element_size() for p in layer.parameters() if id(p) not in held)
             + sum(c.split.numel() * c.split.element_size() for c in compressors))
 

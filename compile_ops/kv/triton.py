@@ -17,6 +17,8 @@ from compile_ops.formats import KVFormat
 from compile_ops.indexer.cache import IndexFormat
 
 RAW, TENSOR_SCALED, BLOCK_SCALED = 0, 1, 2  # how a format stores a row (the kernel's MODE)
+
+
 @triton.jit
 def _slot_ok(given, n_slots, like):
     # the row's slot is in range, as a mask shaped like ``like``: a scalar mask broadcast to
@@ -71,7 +73,8 @@ def _store_rows_kernel(
             tl.store(data + NOPE + 2 * o_r + 1, (rope >> 8).to(tl.uint8), mask=_slot_ok(given, n_slots, o_r))
         scales = base + page_size * DATA + off * SCALE
         if FP32_SCALE:
-            tl.store(scales.to(tl.pointer_type(tl.float32)) + o_b, power_of_two(exponent), mask=_slot_ok(given, n_slots, o_b) & m_b)
+            tl.store(scales.to(tl.pointer_type(tl.float32)) + o_b, power_of_two(exponent),
+                     mask=_slot_ok(given, n_slots, o_b) & m_b)
         else:
             tl.store(scales + o_b, tl.where(m_b, exponent, 0).to(tl.uint8),
                      mask=_slot_ok(given, n_slots, o_b) & (o_b < SCALE))
