@@ -111,6 +111,25 @@ def test_interpreter_equals_reference(index_format, case):
         assert kept == sorted(c for c in picked if c >= 0) and row[len(kept):] == [-1] * (k - len(kept))
 
 
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_interpreter_bulk_copied_key_blocks_equal_the_oracle(page_size):
+    """fp8 pages that hold whole scores blocks are read one block per bulk copy (a TMA
+    descriptor of the key bytes): holes, a page past the cache and a request's partly
+    filled last page still give exactly the float64 oracle's ids."""
+    pytest.importorskip("triton")
+    from compile_ops.indexer import triton as kernels
+
+    q, weights, cache, table, rows, n = make_problem("fp8", 6, 8, 3, 3, page_size, seed=page_size, holes=1)
+    assert not isinstance(kernels.key_blocks(cache, True), torch.Tensor)
+    table[1, 1] = cache.shape[0] + 3  # past the cache: no entry
+    rows[:3] = torch.tensor([0, 1, 2], dtype=i32)
+    n[:3] = torch.tensor([3 * page_size, 2 * page_size - 5, page_size + 7], dtype=i32)
+    args = (q, weights, cache, table, rows, n)
+    want, _ = oracle.indexer_topk(*args, 50, "fp8")
+    got, _ = kernels.indexer_topk_triton(ops._args(*args, 50, ops._check_topk(*args, 50, "fp8")))
+    assert got.tolist() == want
+
+
 @pytest.mark.parametrize("index_format", FORMATS)
 def test_interpreter_segmented_rows_equal_reference(index_format, monkeypatch):
     """Rows long enough to split into segments: the segments' kept entries are sorted

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compile_ops._launch import INTERPRET, launchable
 from compile_ops._triton_quant import power_of_two, to_e4m3, ue8m0_exponent
@@ -78,11 +79,11 @@ def _sortable(x):
 
 @triton.jit
 def _scores_kernel(
-    q, w, t2r, n_entries, cache, table, allowed, scores, n_out,
+    q, w, t2r, n_entries, cache, keys, table, allowed, scores, n_out,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, T, R, L, num_slots, page_size, Hi, S,
     rank, world, interleave, block, nb,
     HI: tl.constexpr, FP8: tl.constexpr, RESTRICT: tl.constexpr, BN: tl.constexpr, ITERS: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     row, n_t = _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave)
@@ -111,13 +112,17 @@ def _scores_kernel(
             m_c = m_c & (tl.load(allowed + i_t * s_at + blk, mask=m_c & (blk < nb), other=0) != 0)
         page = tl.where(m_c, page, 0)
         base = cache + page * s_page
+        if TMA:  # the block is one page's run of BN entries: one bulk copy, no address per byte
+            first = (i_s + i * S) * BN
+            p_blk = tl.load(table + row * s_bt + first // page_size, mask=first < n_t, other=-1)
+            b_k = tl.reshape(keys.load([p_blk, first % page_size, 0]), [BN, 128])  # pages past the cache read 0
+        else:
+            b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0.0)
         if FP8:
-            b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0)
             b_k = b_k.to(tl.float8e4nv, bitcast=True)
             p_scale = (base + page_size * 128 + off * 4).to(tl.pointer_type(tl.float32))
             b_scale = tl.load(p_scale, mask=m_c, other=0.0)
         else:
-            b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0.0)
             b_scale = tl.full([BN], 1.0, tl.float32)
         if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
             b_dot = tl.dot(b_k.to(tl.float32), tl.trans(b_q.to(tl.float32)))
@@ -487,6 +492,17 @@ def visible_block_scores(args: IndexerArgs, scores: torch.Tensor, n: torch.Tenso
     return blocks, visible
 
 
+def key_blocks(cache: torch.Tensor, fp8: bool):
+    """A TMA descriptor of an fp8 cache's key bytes, ``[num_pages, page_size, 128]`` in boxes
+    of ``BN`` entries (the scores kernel then copies each block in one bulk copy), or
+    ``cache`` itself where a block would span pages or the page stride is not 16-byte
+    aligned (the kernel then gathers the keys row by row)."""
+    pages, page_size = cache.shape[:2]
+    if not fp8 or page_size % BN or (page_size * cache.shape[2]) % 16 or cache.data_ptr() % 16:
+        return cache
+    return TensorDescriptor(cache, [pages, page_size, 128], [page_size * cache.shape[2], 128, 1], [1, BN, 128])
+
+
 def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Scores of token chunks (each under ``SCORES_BYTES``) by ``_scores_kernel``, then
     ``select(scores, n, lo, hi, outs)`` (``n``: the chunk's local counts) fills rows
@@ -500,6 +516,7 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
     outs = [(torch.empty((T, width), dtype=torch.int32, device=q.device),
              torch.empty((T, width), dtype=torch.float32, device=q.device)) for width in widths]
     HI = max(16, triton.next_power_of_2(Hi))
+    keys = key_blocks(cache, args.fmt.fp8)
     sms = num_sms(q.device)
     blocks = triton.cdiv(L, BN)
     if one_chunk(T, L):  # (a traced T: the lowering inlines only such calls)
@@ -513,11 +530,12 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
         allowed = n if args.candidates is None else mark_candidates(args, lo, hi)
         S = torch.sym_max(1, torch.sym_min(blocks, SCORE_PROGRAMS_PER_SM * sms // (hi - lo)))
         launchable(_scores_kernel, q)[(hi - lo, S)](
-            q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
+            q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, keys, table, allowed, scores, n,
+            q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
             allowed.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, Hi, S,
             rank, world, interleave, args.candidate_block, allowed.shape[-1],
             HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
-            ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET,
+            ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
             # two stages: a deeper key prefetch measured slower (docs/performance-indexer.md)
             num_stages=2,
         )
