@@ -52,6 +52,7 @@ TOPK_GATHER_SEGMENT = 4096  # ... when it gathers them through group ids (8192 s
 TOPK_GROUP = 16  # entries per group of a long row's first selection
 TOPK_GROUPED_FROM = 4  # rows of at least this many k * TOPK_GROUP entries select groups first
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
+SCORE_STAGES = 2  # key blocks in flight per program: a deeper prefetch measured slower (docs/performance-indexer.md)
 SCORE_PROGRAMS_PER_SM = 16  # the scores kernel's grid: enough loads in flight to stream keys
 MASK_CHUNK = 4096  # candidate-mask bytes one program clears per step
 BLOCK_MAX_BLOCKS = 64  # candidate blocks one program of the block maxima takes per step
@@ -536,8 +537,7 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
             rank, world, interleave, args.candidate_block, allowed.shape[-1],
             HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
             ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
-            # two stages: a deeper key prefetch measured slower (docs/performance-indexer.md)
-            num_stages=2,
+            num_stages=SCORE_STAGES,
         )
         select(scores, n, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs])
     return outs
