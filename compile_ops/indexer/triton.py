@@ -52,10 +52,12 @@ TOPK_GATHER_SEGMENT = 4096  # ... when it gathers them through group ids (8192 s
 TOPK_GROUP = 16  # entries per group of a long row's first selection
 TOPK_GROUPED_FROM = 4  # rows of at least this many k * TOPK_GROUP entries select groups first
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
-SCORE_STAGES = 2  # key blocks in flight per program: a deeper prefetch measured slower (docs/performance-indexer.md)
-SCORE_PROGRAMS_PER_SM = 16  # the scores kernel's grid: enough loads in flight to stream keys
+# the scores kernel's (programs per SM, key blocks in flight per program) for keys gathered
+# row by row / copied a block at a time (the best of H200 sweeps, docs/performance-indexer.md)
+SCORE_LAUNCH = {False: (16, 2), True: (4, 3)}
 MASK_CHUNK = 4096  # candidate-mask bytes one program clears per step
 BLOCK_MAX_BLOCKS = 64  # candidate blocks one program of the block maxima takes per step
+BLOCK_MAX_PROGRAMS_PER_SM = 16  # ... and its grid: enough loads in flight to stream the scores
 
 
 @triton.jit
@@ -120,7 +122,7 @@ def _scores_kernel(
         else:
             b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0.0)
         if FP8:
-            b_k = b_k.to(tl.float8e4nv, bitcast=True)
+            b_k = b_k.to(tl.float8e4nv, bitcast=True) if not TMA else b_k
             p_scale = (base + page_size * 128 + off * 4).to(tl.pointer_type(tl.float32))
             b_scale = tl.load(p_scale, mask=m_c, other=0.0)
         else:
@@ -485,7 +487,7 @@ def visible_block_scores(args: IndexerArgs, scores: torch.Tensor, n: torch.Tenso
     visible = torch.empty((hi - lo,), dtype=torch.int32, device=scores.device)
     BB = BLOCK_MAX_BLOCKS
     steps = triton.cdiv(nb, BB)
-    S = torch.sym_max(1, torch.sym_min(steps, SCORE_PROGRAMS_PER_SM * num_sms(scores.device) // (hi - lo)))
+    S = torch.sym_max(1, torch.sym_min(steps, BLOCK_MAX_PROGRAMS_PER_SM * num_sms(scores.device) // (hi - lo)))
     launchable(_block_max_kernel, scores)[(hi - lo, S)](
         scores, n, args.token_to_req[lo:hi], args.n_entries[lo:hi], blocks, visible, scores.stride(0),
         blocks.stride(0), args.block_table.shape[0], L * world, rank, world, interleave, block, S,
@@ -501,7 +503,8 @@ def key_blocks(cache: torch.Tensor, fp8: bool):
     pages, page_size = cache.shape[:2]
     if not fp8 or page_size % BN or (page_size * cache.shape[2]) % 16 or cache.data_ptr() % 16:
         return cache
-    return TensorDescriptor(cache, [pages, page_size, 128], [page_size * cache.shape[2], 128, 1], [1, BN, 128])
+    return TensorDescriptor(cache.view(torch.float8_e4m3fn), [pages, page_size, 128], [page_size * cache.shape[2], 128, 1],
+                            [1, BN, 128])
 
 
 def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -518,6 +521,7 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
              torch.empty((T, width), dtype=torch.float32, device=q.device)) for width in widths]
     HI = max(16, triton.next_power_of_2(Hi))
     keys = key_blocks(cache, args.fmt.fp8)
+    programs_per_sm, stages = SCORE_LAUNCH[keys is not cache]
     sms = num_sms(q.device)
     blocks = triton.cdiv(L, BN)
     if one_chunk(T, L):  # (a traced T: the lowering inlines only such calls)
@@ -529,7 +533,7 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
         scores = torch.empty((hi - lo, L), dtype=torch.float32, device=q.device)
         n = torch.empty((hi - lo,), dtype=torch.int32, device=q.device)
         allowed = n if args.candidates is None else mark_candidates(args, lo, hi)
-        S = torch.sym_max(1, torch.sym_min(blocks, SCORE_PROGRAMS_PER_SM * sms // (hi - lo)))
+        S = torch.sym_max(1, torch.sym_min(blocks, programs_per_sm * sms // (hi - lo)))
         launchable(_scores_kernel, q)[(hi - lo, S)](
             q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, keys, table, allowed, scores, n,
             q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
@@ -537,7 +541,7 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
             rank, world, interleave, args.candidate_block, allowed.shape[-1],
             HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
             ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
-            num_stages=SCORE_STAGES,
+            num_stages=stages,
         )
         select(scores, n, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs])
     return outs
