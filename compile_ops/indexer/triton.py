@@ -127,12 +127,11 @@ def _scores_kernel(
             b_scale = tl.load(p_scale, mask=m_c, other=0.0)
         else:
             b_scale = tl.full([BN], 1.0, tl.float32)
-        # the heads as the MMA's M: a page of 32 entries is then a whole block
         if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
-            b_dot = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)))
+            b_dot = tl.dot(b_k.to(tl.float32), tl.trans(b_q.to(tl.float32)))
         else:
-            b_dot = tl.dot(b_q, tl.trans(b_k))  # [HI, BN] fp32
-        b_s = tl.where(m_c, tl.sum(tl.maximum(b_dot, 0.0) * b_w[:, None], 0) * b_scale, float("-inf"))
+            b_dot = tl.dot(b_k, tl.trans(b_q))  # [BN, HI] fp32
+        b_s = tl.where(m_c, tl.sum(tl.maximum(b_dot, 0.0) * b_w[None, :], 1) * b_scale, float("-inf"))
         tl.store(scores + i_t.to(tl.int64) * s_st + c, b_s, mask=c < n_t)
 
 
