@@ -495,18 +495,18 @@ def visible_block_scores(args: IndexerArgs, scores: torch.Tensor, n: torch.Tenso
     return blocks, visible
 
 
-def key_blocks(cache: torch.Tensor, fp8: bool) -> tuple[object, int]:
-    """``(keys, block)``: a TMA descriptor of an fp8 cache's key bytes, ``[num_pages,
-    page_size, 128]`` e4m3 in boxes of ``block = min(BN, page_size)`` entries (the scores
-    kernel then copies each block in one bulk copy), or ``(cache, BN)`` where a page is not
-    whole blocks of at least 16 entries or its stride is not 16-byte aligned (the kernel then
-    gathers the keys row by row)."""
+def key_blocks(cache: torch.Tensor, fp8: bool):
+    """A TMA descriptor of an fp8 cache's key bytes, ``[num_pages, page_size, 128]`` e4m3 in
+    boxes of ``BN`` entries (the scores kernel then copies each block in one bulk copy), or
+    ``cache`` itself where a page is not whole blocks or its stride is not 16-byte aligned
+    (the kernel then gathers the keys row by row). Pages of 32 entries (DeepSeek's 64-token
+    blocks at ratio 2) are gathered: a 32-entry block per bulk copy measured slower than the
+    gather (docs/performance-indexer.md)."""
     pages, page_size = cache.shape[:2]
-    block = min(BN, page_size)
-    if not fp8 or block < 16 or page_size % block or (page_size * cache.shape[2]) % 16 or cache.data_ptr() % 16:
-        return cache, BN
+    if not fp8 or page_size % BN or (page_size * cache.shape[2]) % 16 or cache.data_ptr() % 16:
+        return cache
     return TensorDescriptor(cache.view(torch.float8_e4m3fn), [pages, page_size, 128],
-                            [page_size * cache.shape[2], 128, 1], [1, block, 128]), block
+                            [page_size * cache.shape[2], 128, 1], [1, BN, 128])
 
 
 def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -522,10 +522,10 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
     outs = [(torch.empty((T, width), dtype=torch.int32, device=q.device),
              torch.empty((T, width), dtype=torch.float32, device=q.device)) for width in widths]
     HI = max(16, triton.next_power_of_2(Hi))
-    keys, block = key_blocks(cache, args.fmt.fp8)
+    keys = key_blocks(cache, args.fmt.fp8)
     programs_per_sm, stages = SCORE_LAUNCH[keys is not cache]
     sms = num_sms(q.device)
-    blocks = triton.cdiv(L, block)
+    blocks = triton.cdiv(L, BN)
     if one_chunk(T, L):  # (a traced T: the lowering inlines only such calls)
         chunks = [(0, T)]
     else:
@@ -541,7 +541,7 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
             q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
             allowed.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, Hi, S,
             rank, world, interleave, args.candidate_block, allowed.shape[-1],
-            HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=block,
+            HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
             ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
             num_stages=stages,
         )
