@@ -9,8 +9,10 @@ capacity.
 
 * ``_scores_kernel``, grid ``(T, S)``: program ``(t, s)`` quantizes the token's ``[Hi,
   128]`` queries (``fp8``: e4m3 with one power-of-two scale per head, folded into the
-  weights), takes blocks ``s, s + S, ...`` of ``BN`` entries, gathers their keys through
-  the block table (e4m3 bytes and the fp32 scale of an ``fp8`` cache, or bf16), ``tl.dot``\
+  weights), takes blocks ``s, s + S, ...`` of ``BN`` entries, reads their keys through
+  the block table (e4m3 bytes and the fp32 scale of an ``fp8`` cache, or bf16; an fp8
+  block that is one page's run of entries as one TMA bulk copy, :func:`key_blocks`,
+  else row by row), ``tl.dot``\
   s them with the queries (fp32 accumulation) and stores ``scale * sum_h w[h] * relu(dot)``
   (``-inf`` at holes and outside the candidate blocks) into a scores buffer.
 * the top-k (:func:`topk_of_rows`): ``_segment_topk_kernel`` holds a segment of a row in
