@@ -147,20 +147,21 @@ def test_interpreter_segmented_rows_equal_reference(index_format, monkeypatch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("index_format", FORMATS)
+@pytest.mark.parametrize("index_format, page_size", [("bf16", 4), ("fp8", 4), ("fp8", 64)])
 @pytest.mark.parametrize("rank, world, interleave", [(0, 2, 1), (1, 2, 1), (1, 2, 4), (2, 3, 2)])
-def test_interpreter_dcp_shard_equals_reference(index_format, rank, world, interleave):
-    """A DCP rank's call (global counts, this rank's cache): the kernels count the rank's
-    entries and map its columns to global candidate blocks themselves; the ids, with and
-    without candidates, and the candidate blocks are exactly the reference's."""
+def test_interpreter_dcp_shard_equals_reference(index_format, page_size, rank, world, interleave):
+    """A DCP rank's call (global counts, this rank's cache; fp8 pages of 64 entries take
+    the bulk copies): the kernels count the rank's entries and map its columns to global
+    candidate blocks themselves; the ids, with and without candidates, and the candidate
+    blocks are exactly the reference's."""
     pytest.importorskip("triton")
     from compile_ops.indexer import triton as kernels
     from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference
 
-    args = make_problem(index_format, 8, 3, 2, 3, 4, seed=rank + 7 * interleave, holes=1)
+    args = make_problem(index_format, 8, 3, 2, 3, page_size, seed=rank + 7 * interleave, holes=1)
     gen = torch.Generator().manual_seed(world)
-    # global counts, past the rank's 12 addressable entries and short of them
-    args = (*args[:5], torch.randint(-1, world * 12 + 3, (8,), generator=gen, dtype=i32))
+    # global counts, past the rank's 3 * page_size addressable entries and short of them
+    args = (*args[:5], torch.randint(-1, world * 3 * page_size + 3, (8,), generator=gen, dtype=i32))
     fmt = ops._check_topk(*args, 6, index_format)
     shard = (rank, world, interleave)
     plain = ops._args(*args, 6, fmt, shard=shard)
