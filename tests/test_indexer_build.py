@@ -45,10 +45,14 @@ def builds() -> dict:
                 types=dict(src_vals="*fp32", src_ids="*i32", n="*i32", n_src="*i32", cand_vals="*fp32",
                            cand_ids="*i32", ids="*i32", vals="*fp32"))
     out = {}
-    for fmt, restrict in (("fp8", False), ("fp8", True), ("bf16", False)):
-        out[f"scores-{fmt}-{'restricted' if restrict else 'all'}"] = dict(
-            scores, types={**scores["types"], "cache": "*u8" if fmt == "fp8" else "*bf16"}, num_stages=2,
-            constants=dict(HI=32, FP8=fmt == "fp8", RESTRICT=restrict, BN=kernels.BN, ITERS=0, UPCAST=False))
+    for fmt, restrict, bulk in (("fp8", False, False), ("fp8", True, False), ("bf16", False, False),
+                                ("fp8", False, True), ("fp8", True, True)):
+        cache = "*u8" if fmt == "fp8" else "*bf16"
+        keys = f"tensordesc<fp8e4nv[1, {kernels.BN}, 128]>" if bulk else cache
+        out[f"scores-{fmt}-{'restricted' if restrict else 'all'}{'-bulk' if bulk else ''}"] = dict(
+            scores, types={**scores["types"], "cache": cache, "keys": keys}, num_stages=kernels.SCORE_LAUNCH[bulk][1],
+            constants=dict(HI=32, FP8=fmt == "fp8", RESTRICT=restrict, BN=kernels.BN, ITERS=0, UPCAST=False,
+                           TMA=bulk))
     launches = {launch._replace(programs=0, cover=0) for T in (1, 64, 256, 4096)
                 for L in (512, 8192, 1 << 15, 1 << 17, 1 << 20) for k in (512, 2048)
                 for stage in kernels.topk_plan(T, L, k, sms=132) for launch in stage}
@@ -91,10 +95,12 @@ def test_every_kernel_builds_without_new_spills(reports):
 
 
 def test_scores_run_on_the_tensor_cores_with_streamed_keys(reports):
-    """fp8 (or bf16) wgmma products, keys copied by ``cp.async``."""
-    for fmt in ("fp8-all", "fp8-restricted", "bf16-all"):
+    """fp8 (or bf16) wgmma products, keys copied by ``cp.async`` row by row, or by TMA
+    bulk copies (pages of whole 64-entry blocks)."""
+    for fmt in ("fp8-all", "fp8-restricted", "bf16-all", "fp8-all-bulk", "fp8-restricted-bulk"):
         ops = " ".join(reports[f"scores-{fmt}"]["ops"])
-        assert ("QGMMA" if fmt.startswith("fp8") else "HGMMA") in ops and "LDGSTS" in ops, ops
+        assert ("QGMMA" if fmt.startswith("fp8") else "HGMMA") in ops, ops
+        assert ("UTMALDG" if fmt.endswith("bulk") else "LDGSTS") in ops, ops
 
 
 def test_the_build_covers_every_launch_of_the_plan(reports):
