@@ -56,7 +56,7 @@ TOPK_GROUPED_FROM = 4  # rows of at least this many k * TOPK_GROUP entries selec
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
 # the scores kernel's (programs per SM, key blocks in flight per program) for keys gathered
 # row by row / copied a block at a time (the best of H200 sweeps, docs/performance-indexer.md)
-SCORE_LAUNCH = {False: (16, 2), True: (4, 3)}
+SCORE_LAUNCH = {False: (16, 1), True: (4, 3)}
 MASK_CHUNK = 4096  # candidate-mask bytes one program clears per step
 BLOCK_MAX_BLOCKS = 64  # candidate blocks one program of the block maxima takes per step
 BLOCK_MAX_PROGRAMS_PER_SM = 16  # ... and its grid: enough loads in flight to stream the scores
