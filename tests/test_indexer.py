@@ -131,6 +131,21 @@ def test_interpreter_bulk_copied_key_blocks_equal_the_oracle(page_size):
     assert got.tolist() == want
 
 
+def test_a_traced_launch_gathers_the_keys():
+    """A bulk copy's descriptor holds the cache's address, which a trace (the op inlined
+    into an AOTInductor package) does not know: traced, the same cache is gathered."""
+    pytest.importorskip("triton")
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    from compile_ops.indexer import triton as kernels
+
+    cache = new_index_cache("fp8", 2, 64)
+    assert kernels.key_blocks(cache, True) is not cache
+    with FunctionalTensorMode():
+        traced = FunctionalTensor.to_functional(cache)
+        assert kernels.key_blocks(traced, True) is traced
+
+
 @pytest.mark.parametrize("index_format", FORMATS)
 def test_interpreter_segmented_rows_equal_reference(index_format, monkeypatch):
     """Rows long enough to split into segments: the segments' kept entries are sorted

@@ -40,6 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -503,9 +504,12 @@ def key_blocks(cache: torch.Tensor, fp8: bool):
     ``cache`` itself where a page is not whole blocks or its stride is not 16-byte aligned
     (the kernel then gathers the keys row by row). Pages of 32 entries (DeepSeek's 64-token
     blocks at ratio 2) are gathered: a 32-entry block per bulk copy measured slower than the
-    gather (docs/performance-indexer.md)."""
+    gather (docs/performance-indexer.md). A traced launch (``lowering.inductor`` inlining
+    the op into an AOTInductor package) gathers too: a descriptor holds the address, which
+    a trace does not know."""
     pages, page_size = cache.shape[:2]
-    if not fp8 or page_size % BN or (page_size * cache.shape[2]) % 16 or cache.data_ptr() % 16:
+    if not fp8 or page_size % BN or (page_size * cache.shape[2]) % 16 or isinstance(cache, FunctionalTensor) \
+            or cache.data_ptr() % 16:
         return cache
     return TensorDescriptor(cache.view(torch.float8_e4m3fn), [pages, page_size, 128],
                             [page_size * cache.shape[2], 128, 1], [1, BN, 128])
