@@ -150,8 +150,8 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(cfg.dim, width, bias=False, dtype=torch.float32, device=device) if gate else None
         # [wkv; wgate] as bf16 high parts over bf16 low parts: bf16 tokens times both parts
         # with fp32 accumulation is the fp32 product to 2**-16 of each weight, on bf16 tensor
-        # cores instead of fp32 ones; derived from the weights (split_weights, which the layer
-        # calls at load)
+        # cores instead of fp32 ones (the high parts alone for bf16-valued weights); derived
+        # from the weights (split_weights, which the layer calls at load)
         rows = 2 * (2 if gate else 1) * width
         self.register_buffer("split", torch.zeros(rows, cfg.dim, dtype=torch.bfloat16, device=device),
                              persistent=False)

@@ -121,11 +121,12 @@ def _scores_kernel(
         if TMA:  # the block is one page's run of BN entries: one bulk copy, no address per byte
             first = (i_s + i * S) * BN
             p_blk = tl.load(table + row * s_bt + first // page_size, mask=first < n_t, other=-1)
-            b_k = tl.reshape(keys.load([p_blk, first % page_size, 0]), [BN, 128])  # pages past the cache read 0
+            b_k = tl.reshape(keys.load([p_blk, first % page_size, 0]), [BN, 128])  # e4m3; pages past the cache read 0
         else:
             b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0.0)
+            if FP8:
+                b_k = b_k.to(tl.float8e4nv, bitcast=True)
         if FP8:
-            b_k = b_k.to(tl.float8e4nv, bitcast=True) if not TMA else b_k
             p_scale = (base + page_size * 128 + off * 4).to(tl.pointer_type(tl.float32))
             b_scale = tl.load(p_scale, mask=m_c, other=0.0)
         else:
