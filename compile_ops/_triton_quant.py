@@ -13,10 +13,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compile_ops.formats import AMAX_FLOOR, E4M3_MAX
+from compile_ops.formats import AMAX_FLOOR, E2M1_MAX, E4M3_MAX, FP4_E4M3_AMAX_FLOOR, FP4_UE8M0_AMAX_FLOOR
 
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E2M1_MAX = tl.constexpr(E2M1_MAX)
+_FP4_E4M3_AMAX_FLOOR = tl.constexpr(FP4_E4M3_AMAX_FLOOR)
+_FP4_UE8M0_AMAX_FLOOR = tl.constexpr(FP4_UE8M0_AMAX_FLOOR)
+_ONE_SIXTH = tl.constexpr(1 / E2M1_MAX)  # fl32(1/6) in the kernels, as torch's fp32 product takes it
 
 
 @triton.jit
@@ -50,6 +54,37 @@ def ue8m0_exponent(amax):
     """``ceil(log2(max(amax, AMAX_FLOOR) / 448)) + 127`` of fp32 ``amax``, exactly (from the
     bits of the correctly rounded quotient, as :func:`compile_ops.formats.ue8m0_exponent`)."""
     bits = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX).to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 255) + ((bits & 8388607) != 0).to(tl.int32)
+
+
+@triton.jit
+def _rint(x):
+    """fp32 ``x`` in ``[0, 2**22]`` rounded to an integer, ties to even (the fp32 sum with
+    ``2**23``, whose ulp is 1)."""
+    return (x + 8388608.0) - 8388608.0
+
+
+@triton.jit
+def e2m1_code(y):
+    """fp32 ``y`` (within +-6) as its int32 e2m1 code ``s mmm``, rounded to nearest, ties to
+    the even code (:func:`compile_ops.formats.e2m1_codes`)."""
+    mag = tl.abs(y)
+    code = tl.where(mag < 2.0, _rint(mag * 2.0), tl.where(mag < 4.0, 2.0 + _rint(mag), 4.0 + _rint(mag * 0.5)))
+    return code.to(tl.int32) | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def fp4_e4m3_scale(amax):
+    """The e4m3 scale of fp4 blocks with max magnitudes ``amax``, as fp32
+    (:func:`compile_ops.formats.fp4_e4m3_scale`)."""
+    return round_to_e4m3(tl.minimum(tl.math.div_rn(tl.maximum(amax, _FP4_E4M3_AMAX_FLOOR), _E2M1_MAX), _E4M3_MAX))
+
+
+@triton.jit
+def fp4_exponent(amax):
+    """The ue8m0 exponent (int32) of fp4 blocks with max magnitudes ``amax``
+    (:func:`compile_ops.indexer.cache.fp4_exponent`)."""
+    bits = (tl.maximum(amax, _FP4_UE8M0_AMAX_FLOOR) * _ONE_SIXTH).to(tl.int32, bitcast=True)
     return ((bits >> 23) & 255) + ((bits & 8388607) != 0).to(tl.int32)
 
 

@@ -14,17 +14,25 @@ into a larger allocation. A *slot* is a token row: ``slot = page * page_size + o
                                   (7 UE8M0 scales, one per 64 NoPE values, then 1 zero byte)
 ``fp8_dsv41``  uint8       528    ``page_size`` data rows of 512 e4m3 values, then
                                   ``page_size`` scale rows of 16 UE8M0 scales (one per 32)
+``fp4_dsv41``  uint8       288    ``page_size`` data rows of 256 B (512 e2m1 values, two per
+                                  byte, the even-numbered value in the low nibble), then
+                                  ``page_size`` scale rows of 32 e4m3 scales (one per 16)
 =============  ==========  =====  ===========================================================
 
 A UE8M0 byte ``e`` means ``2**(e - 127)``. For a block with max magnitude ``amax`` the
 quantizer picks ``e = ceil(log2(max(amax, 1e-4) / 448)) + 127`` and stores
-``clamp(x / 2**(e - 127), -448, 448)`` rounded to nearest e4m3.
+``clamp(x / 2**(e - 127), -448, 448)`` rounded to nearest e4m3. ``fp4_dsv41`` (DeepSeek-V4.1's
+compressed entries) takes per block of 16 the e4m3 scale ``s = e4m3(min(max(amax, 6 *
+2**-9) / 6, 448))`` and stores ``clamp(x / s, -6, 6)`` rounded to nearest e2m1 (ties to
+the even code), as DeepSeek's ``fp4_act_quant`` with e4m3 scales does.
 
 Round-trip error of one value ``x`` (``docs/formats.md`` derives the bounds; the tests
 check them): ``bf16`` is exact for bf16 input (``2**-8 * |x|`` for fp32 input); ``fp8``:
 ``2**-4 * |x| + 2**-10 * kv_scale`` while ``|x| <= 448 * kv_scale`` (saturates beyond);
 ``fp8_ds_mla`` / ``fp8_dsv41``: ``2**-4 * |x| + 2**-10 * s`` with ``s`` the block's scale
-(``s < 2 * max(amax, 1e-4) / 448``), and ``fp8_ds_mla``'s RoPE dims are bf16 (``2**-8 * |x|``).
+(``s < 2 * max(amax, 1e-4) / 448``), and ``fp8_ds_mla``'s RoPE dims are bf16 (``2**-8 * |x|``);
+``fp4_dsv41``: ``2**-2 * |x| + 2**-2 * s`` while the block's ``amax >= 6 * 2**-6`` (a normal
+e4m3 scale).
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ LOG2E = 1.0 / math.log(2.0)  # LSEs are base 2 everywhere: log2(x) = ln(x) * LOG
 E4M3_MAX = 448.0
 UE8M0_BIAS = 127
 AMAX_FLOOR = 1e-4
+E2M1_MAX = 6.0
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # of codes 0..7; code bit 3 is the sign
+FP4_E4M3_AMAX_FLOOR = 6 * 2.0**-9  # an e4m3 fp4 scale is at least e4m3's smallest, 2**-9
+FP4_UE8M0_AMAX_FLOOR = 6 * 2.0**-126  # a ue8m0 fp4 scale (index keys) is at least 2**-126
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,8 @@ class KVFormat:
     a page holds all its data rows first, then all its scale rows (no scale rows for
     ``bf16`` / ``fp8``). ``nope`` values are stored as e4m3 in blocks of ``block``
     values sharing one UE8M0 scale (``block == 0``: one per-tensor ``kv_scale``); the
-    remaining ``512 - nope`` RoPE values are stored as bf16.
+    remaining ``512 - nope`` RoPE values are stored as bf16. ``fp4``: the values are e2m1
+    instead, two per byte, and each block's scale is one e4m3 byte.
     """
 
     name: str
@@ -62,6 +75,7 @@ class KVFormat:
     scale_bytes: int
     nope: int
     block: int
+    fp4: bool = False
 
     @property
     def bytes_per_token(self) -> int:
@@ -90,6 +104,7 @@ KV_FORMATS: dict[str, KVFormat] = {
         KVFormat("fp8", torch.float8_e4m3fn, 512, 512, 0, 512, 0),
         KVFormat("fp8_ds_mla", torch.uint8, 584, 576, 8, 448, 64),
         KVFormat("fp8_dsv41", torch.uint8, 528, 512, 16, 512, 32),
+        KVFormat("fp4_dsv41", torch.uint8, 288, 256, 32, 512, 16, fp4=True),
     )
 }
 
@@ -175,6 +190,37 @@ def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
     return exponent - (mantissa == 0.5).to(exponent.dtype) + UE8M0_BIAS
 
 
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """fp32 ``y`` (within +-6) rounded to the nearest e2m1 value, ties to the even code, as
+    4-bit codes ``s mmm`` (uint8; :data:`E2M1_MAGNITUDES` ``[mmm]``, negative values and
+    ``-0.0`` with the sign bit): steps of 0.5 below 2, of 1 up to 4, then 4 and 6."""
+    mag = y.abs()
+    code = torch.where(mag < 2, torch.round(mag * 2), torch.where(mag < 4, 2 + torch.round(mag), 4 + torch.round(mag / 2)))
+    return code.to(torch.uint8) | (torch.signbit(y).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit e2m1 ``codes`` (any integer dtype, values 0..15)."""
+    table = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), device=codes.device)
+    return table[codes.long()]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[..., 2n]`` -> bytes ``[..., n]`` uint8, the even-numbered code in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """fp32 values ``[..., 2n]`` of e2m1 bytes ``[..., n]`` uint8 (:func:`pack_e2m1`)."""
+    return torch.stack([e2m1_values(packed & 15), e2m1_values(packed >> 4)], -1).flatten(-2)
+
+
+def fp4_e4m3_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The e4m3 scale of blocks with max magnitudes ``amax``: ``e4m3(max(amax, 6 * 2**-9) / 6)``,
+    rounded to nearest even and saturated at 448 (float8_e4m3fn)."""
+    return (amax.float().clamp_min(FP4_E4M3_AMAX_FLOOR) / E2M1_MAX).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def encode_rows(kv: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> torch.Tensor:
     """Quantize ``kv [N, 512]`` (any float dtype) to cache bytes ``[N, bytes_per_token]`` uint8."""
     fmt = get_format(kv_format)
@@ -185,6 +231,10 @@ def encode_rows(kv: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> torc
         return (kv / kv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     n = kv.shape[0]
     blocks = kv[:, : fmt.nope].reshape(n, fmt.nope // fmt.block, fmt.block)
+    if fmt.fp4:
+        scale = fp4_e4m3_scale(blocks.abs().amax(-1))
+        codes = e2m1_codes((blocks / scale.float().unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX))
+        return torch.cat([pack_e2m1(codes.reshape(n, fmt.nope)), scale.view(torch.uint8)], dim=-1)
     exponent = ue8m0_exponent(blocks.abs().amax(-1))
     scale = torch.ldexp(torch.ones_like(blocks[..., 0]), exponent - UE8M0_BIAS)
     e4m3 = (blocks / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -206,6 +256,10 @@ def decode_rows(rows: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> to
         out = rows.view(torch.bfloat16).float()
     elif fmt.name == "fp8":
         out = rows.view(torch.float8_e4m3fn).float() * kv_scale
+    elif fmt.fp4:
+        scale = rows[:, fmt.data_bytes :].view(torch.float8_e4m3fn).float()
+        values = unpack_e2m1(rows[:, : fmt.data_bytes]).reshape(rows.shape[0], -1, fmt.block)
+        out = (values * scale.unsqueeze(-1)).reshape(rows.shape[0], HEAD_DIM)
     else:
         n, nblocks = rows.shape[0], fmt.nope // fmt.block
         values = rows[:, : fmt.nope].view(torch.float8_e4m3fn).float().reshape(n, nblocks, fmt.block)

@@ -12,11 +12,12 @@ import triton
 import triton.language as tl
 
 from compile_ops._launch import launchable
-from compile_ops._triton_quant import power_of_two, to_bf16, to_e4m3, ue8m0_exponent
+from compile_ops._triton_quant import (e2m1_code, fp4_e4m3_scale, fp4_exponent, power_of_two, to_bf16, to_e4m3,
+                                      ue8m0_exponent)
 from compile_ops.formats import KVFormat
 from compile_ops.indexer.cache import IndexFormat
 
-RAW, TENSOR_SCALED, BLOCK_SCALED = 0, 1, 2  # how a format stores a row (the kernel's MODE)
+RAW, TENSOR_SCALED, BLOCK_SCALED, FP4 = 0, 1, 2, 3  # how a format stores a row (the kernel's MODE)
 
 
 @triton.jit
@@ -32,12 +33,15 @@ def _store_rows_kernel(
     cache, s_page, values, s_v, slots, s_s, n_slots, page_size, kv_scale,
     MODE: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr, NB: tl.constexpr,
     NB_PAD: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, FP32_SCALE: tl.constexpr,
+    E4M3_SCALE: tl.constexpr = False,
 ):
     """Row ``i``: ``values[i, :D]`` quantized into slot ``slots[i]`` (nothing where it is
     ``-1`` or out of range). ``RAW``: the values as the cache's dtype; ``TENSOR_SCALED``:
     e4m3 of ``value / kv_scale``; ``BLOCK_SCALED``: the first ``NOPE`` values as e4m3 in
     ``NB`` blocks of ``QB``, each under a power-of-two scale (``SCALE`` scale bytes per row:
-    ue8m0 exponents, zero padded, or one fp32), the other ``D - NOPE`` as bf16."""
+    ue8m0 exponents, zero padded, or one fp32), the other ``D - NOPE`` as bf16; ``FP4``:
+    all ``D`` values as e2m1 codes, two per byte (the even-numbered in the low nibble), in
+    ``NB`` blocks of ``QB``, each under an e4m3 scale byte (``E4M3_SCALE``) or a ue8m0 one."""
     i_n = tl.program_id(0).to(tl.int64)
     given = tl.load(slots + i_n * s_s).to(tl.int64)
     ok = (given >= 0) & (given < n_slots)
@@ -53,6 +57,23 @@ def _store_rows_kernel(
         o_d = tl.arange(0, D)
         x = tl.math.div_rn(tl.load(row + o_d).to(tl.float32), kv_scale)
         tl.store(base + off * D + o_d, to_e4m3(x), mask=_slot_ok(given, n_slots, o_d))
+    elif MODE == 3:
+        o_b = tl.arange(0, NB)
+        o_p = tl.arange(0, QB // 2)
+        x = tl.load(row + o_b[:, None] * QB + tl.arange(0, QB)[None, :]).to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+        if E4M3_SCALE:
+            scale = fp4_e4m3_scale(amax)
+            scale_byte = scale.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # exact: already an e4m3 value
+        else:
+            exponent = fp4_exponent(amax)
+            scale = power_of_two(exponent)
+            scale_byte = exponent.to(tl.uint8)
+        codes = e2m1_code(tl.clamp(tl.math.div_rn(x, scale[:, None]), -6.0, 6.0))
+        lo, hi = tl.split(tl.reshape(codes, [NB, QB // 2, 2]))
+        o_v = o_b[:, None] * (QB // 2) + o_p[None, :]
+        tl.store(base + off * DATA + o_v, (lo | (hi << 4)).to(tl.uint8), mask=_slot_ok(given, n_slots, o_v))
+        tl.store(base + page_size * DATA + off * SCALE + o_b, scale_byte, mask=_slot_ok(given, n_slots, o_b))
     else:
         o_b = tl.arange(0, NB_PAD)
         o_q = tl.arange(0, QB)
@@ -82,6 +103,9 @@ def _store_rows_kernel(
 
 def _layout(fmt: Union[KVFormat, IndexFormat]) -> dict:
     """The kernel's compile-time description of ``fmt``'s row."""
+    if fmt.fp4:
+        return dict(MODE=FP4, D=2 * fmt.data_bytes, NOPE=0, QB=fmt.block, NB=fmt.scale_bytes, NB_PAD=fmt.scale_bytes,
+                    DATA=fmt.data_bytes, SCALE=fmt.scale_bytes, FP32_SCALE=False, E4M3_SCALE=isinstance(fmt, KVFormat))
     if isinstance(fmt, IndexFormat):
         if not fmt.fp8:
             return dict(MODE=RAW, D=fmt.row_width, NOPE=0, QB=1, NB=1, NB_PAD=1, DATA=fmt.row_width, SCALE=0,
