@@ -74,6 +74,15 @@ def e2m1_code(y):
 
 
 @triton.jit
+def e2m1_value(code):
+    """fp32 value of int32 e2m1 codes ``s mmm`` (0..15), from the bits: ``mmm >= 2`` is the
+    normal ``(mmm + 252) << 22`` (exponent ``mmm >> 1``, bias 1, one mantissa bit), 1 is 0.5."""
+    m = code & 7
+    bits = tl.where(m >= 2, (m + 252) << 22, tl.where(m == 1, 1056964608, 0))  # 1056964608: 0.5's bits
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def fp4_e4m3_scale(amax):
     """The e4m3 scale of fp4 blocks with max magnitudes ``amax``, as fp32
     (:func:`compile_ops.formats.fp4_e4m3_scale`)."""

@@ -17,6 +17,7 @@ LAYOUTS = {
     "fp8": (512, 0, 512, 0),
     "fp8_ds_mla": (576, 8, 448, 64),
     "fp8_dsv41": (512, 16, 512, 32),
+    "fp4_dsv41": (256, 32, 0, 0),  # 512 e2m1 values, two per byte; one e4m3 scale per 16
 }
 
 
@@ -35,6 +36,19 @@ def _e4m3_table() -> np.ndarray:
 
 
 E4M3 = _e4m3_table()
+
+
+def _e2m1(nibbles: np.ndarray) -> np.ndarray:
+    """e2m1 codes ``s ee m`` -> float64: exponent bias 1, ``ee = 0`` subnormal (``m * 0.5``)."""
+    sign = np.where(nibbles & 8, -1.0, 1.0)
+    exponent, mantissa = (nibbles >> 1) & 3, nibbles & 1
+    magnitude = np.where(exponent == 0, mantissa * 0.5, (1.0 + mantissa / 2.0) * 2.0 ** (exponent - 1.0))
+    return sign * magnitude
+
+
+def _e2m1_bytes(raw: np.ndarray) -> np.ndarray:
+    """Bytes of two e2m1 values each (the even-numbered one in the low nibble) -> float64."""
+    return np.stack([_e2m1(raw & 15), _e2m1(raw >> 4)], -1).reshape(-1)
 
 
 def _bf16(raw: np.ndarray) -> np.ndarray:
@@ -56,6 +70,9 @@ def slot_decoder(cache: torch.Tensor, kv_format: str, kv_scale: float = 1.0):
         data = raw[start + offset * data_bytes : start + (offset + 1) * data_bytes]
         if kv_format == "bf16":
             return _bf16(data)
+        if kv_format == "fp4_dsv41":
+            scales_at = start + page_size * data_bytes + offset * scale_bytes
+            return _e2m1_bytes(data) * np.repeat(E4M3[raw[scales_at : scales_at + scale_bytes]], 16)
         values = E4M3[data[:n_e4m3]]
         if kv_format == "fp8":
             return values * kv_scale
@@ -197,9 +214,27 @@ def _pow2_scale(amax: float) -> float:
     return 2.0 ** (e - 1) if target == 2.0 ** (e - 1) else 2.0**e
 
 
+def _fp4_scale(amax: float) -> float:
+    """The index keys' fp4 scale: ``2**ceil(log2(fp32(max(amax, 6 * 2**-126) * fp32(1/6))))``."""
+    target = float(np.float32(max(amax, 6 * 2.0**-126)) * np.float32(1 / 6))
+    e = math.frexp(target)[1]
+    return 2.0 ** (e - 1) if target == 2.0 ** (e - 1) else 2.0**e
+
+
+def _round_e2m1(x: np.ndarray) -> np.ndarray:
+    """Round float64 values within +-6 to the nearest e2m1 value, ties to the even code."""
+    grid = _e2m1(np.arange(8))  # 0, 0.5, ..., 6 in code order
+    mag = np.abs(x)
+    hi = np.clip(np.searchsorted(grid, mag), 1, 7)
+    lo_v, hi_v = grid[hi - 1], grid[hi]
+    pick_hi = (mag - lo_v > hi_v - mag) | ((mag - lo_v == hi_v - mag) & (hi % 2 == 0))
+    return np.sign(x) * np.where(pick_hi, hi_v, lo_v)
+
+
 def index_key_decoder(cache: torch.Tensor, index_format: str):
     """A function ``slot -> float64 [128]`` decoding index keys from the cache's raw bytes:
-    ``fp8`` pages hold ``page_size`` rows of 128 e4m3 bytes, then ``page_size`` fp32 scales."""
+    ``fp8`` pages hold ``page_size`` rows of 128 e4m3 bytes, then ``page_size`` fp32 scales;
+    ``fp4`` pages ``page_size`` rows of 64 e2m1 bytes, then ``page_size`` rows of 4 UE8M0 bytes."""
     raw = torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage()).numpy().copy()
     esize = cache.element_size()
     base, page_stride, page_size = cache.storage_offset() * esize, cache.stride(0) * esize, cache.shape[1]
@@ -209,6 +244,9 @@ def index_key_decoder(cache: torch.Tensor, index_format: str):
         start = base + page * page_stride
         if index_format == "bf16":
             return _bf16(raw[start + offset * 256 : start + (offset + 1) * 256])
+        if index_format == "fp4":
+            exps = raw[start + page_size * 64 + offset * 4 : start + page_size * 64 + offset * 4 + 4].astype(np.float64)
+            return _e2m1_bytes(raw[start + offset * 64 : start + (offset + 1) * 64]) * np.repeat(2.0 ** (exps - 127), 32)
         values = E4M3[raw[start + offset * 128 : start + (offset + 1) * 128]]
         at = start + page_size * 128 + offset * 4
         return values * float(raw[at : at + 4].view(np.float32)[0])
@@ -232,6 +270,10 @@ def indexer_topk(q, weights, index_cache, block_table, token_to_req, n_entries, 
             scales = np.array([_pow2_scale(float(np.abs(h).max())) for h in row_q])
             row_q = _round_e4m3(np.clip(row_q / scales[:, None], -448, 448))
             row_w = row_w * scales
+        elif index_format == "fp4":  # q quantized per 32 values like the keys (fake-quantized)
+            blocks = row_q.reshape(row_q.shape[0], -1, 32)
+            scales = np.array([[_fp4_scale(float(np.abs(b).max())) for b in h] for h in blocks])
+            row_q = (_round_e2m1(np.clip(blocks / scales[..., None], -6, 6)) * scales[..., None]).reshape(row_q.shape)
         found = []
         if 0 <= r < R and n > 0:
             for c in range(min(n, B * page_size)):

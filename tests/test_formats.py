@@ -27,6 +27,9 @@ def bound(kv_format, x, kv_scale):
         return 2.0**-4 * x.abs() + 2.0**-10 * kv_scale
     fmt = get_format(kv_format)
     blocks = x[:, : fmt.nope].reshape(x.shape[0], -1, fmt.block)
+    if fmt.fp4:  # the e4m3 scale is amax / 6 rounded to 3 mantissa bits
+        scale = blocks.abs().amax(-1, keepdim=True) / 6 * (1 + 2.0**-4)
+        return (2.0**-2 * blocks.abs() + 2.0**-2 * scale).reshape(x.shape[0], -1)
     scale = 2 * blocks.abs().amax(-1).clamp_min(1e-4) / 448
     nope = 2.0**-4 * blocks.abs() + 2.0**-10 * scale.unsqueeze(-1)
     return torch.cat([nope.reshape(x.shape[0], -1), 2.0**-8 * x[:, fmt.nope :].abs()], 1)
@@ -46,6 +49,9 @@ def test_round_trip_within_documented_bound(kv_format, num_pages, page_size, pag
     n = min(num_pages * page_size, 40)
     kv = torch.randn(n, 512, generator=gen) * magnitude
     kv[:, :32] *= 1e-3  # blocks of tiny values next to large ones
+    if kv_format == "fp4_dsv41":  # the stated bound holds while a block's e4m3 scale is normal
+        kv = torch.where(kv.unflatten(1, (32, 16)).abs().amax(2, keepdim=True) < 6 * 2.0**-6, 0.0,
+                         kv.unflatten(1, (32, 16))).flatten(1)
     kv_scale = magnitude / 50 if kv_format == "fp8" else 1.0  # no saturation below 22 sigma
     if kv_format == "bf16":
         kv = kv.bfloat16().float()
@@ -107,6 +113,7 @@ def test_bytes_per_token_matches_design():
         "fp8": 512,
         "fp8_ds_mla": 584,
         "fp8_dsv41": 528,
+        "fp4_dsv41": 288,
     }
 
 
@@ -123,3 +130,31 @@ def test_write_kv_slots_int32_or_int64_as_documented(kv_format):
     assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
     with pytest.raises(TypeError, match="slots must have dtype torch.int32 or torch.int64, got torch.int16"):
         write_kv(new_cache(kv_format, 2, 4), torch.tensor([0, 1, 2], dtype=torch.int16), kv, kv_format)
+
+
+def test_fp4_bytes_equal_deepseeks_quantizer():
+    """``fp4_dsv41`` rows hold, byte for byte, what DeepSeek-V4.1's ``fp4_act_quant`` (16-value
+    blocks, e4m3 scales) makes of them: per block ``s = e4m3(fp32(max(amax, 6 * 2**-9) / 6))``,
+    values ``clamp(x / s, -6, 6)`` rounded to nearest e2m1 (ties to the even code), two per
+    byte with the even-numbered value in the low nibble. Written independently here in
+    float64 from the oracle's rounding; rows with exact ties, a saturating block, tiny and
+    zero blocks, and negative zeros."""
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(6, 512, generator=gen) * torch.tensor([1.0, 1e-4, 300.0, 0.0, 4e3, 1.0]).unsqueeze(1)
+    kv[0, :16] = torch.tensor([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, -5.0, 0.1, -0.0, 4.5, 1.0, 2.0])
+    kv[5, 16:32] = 1e-12  # under the amax floor: the scale is e4m3's smallest
+    cache = new_cache("fp4_dsv41", 1, 6)
+    write_kv(cache, torch.arange(6), kv, "fp4_dsv41")
+    page = cache.view(torch.uint8).reshape(-1).numpy()
+    e4m3_codes = {float(v): b for b, v in enumerate(oracle.E4M3) if np.isfinite(v) and not (v == 0 and b)}
+    for i, row in enumerate(kv.double().numpy()):
+        for j, block in enumerate(row.reshape(32, 16)):
+            amax = max(float(np.float32(np.abs(block).max())), 6 * 2.0**-9)
+            s = float(oracle._round_e4m3(np.array([float(np.float32(amax) / np.float32(6))]))[0])
+            assert page[6 * 256 + i * 32 + j] == e4m3_codes[s]
+            values = oracle._round_e2m1(np.clip(block.astype(np.float32) / np.float32(s), -6, 6))
+            signs = np.signbit(np.clip(block.astype(np.float32) / np.float32(s), -6, 6))
+            codes = [int(np.where(oracle._e2m1(np.arange(8)) == abs(v))[0][0]) | (8 * bool(neg))
+                     for v, neg in zip(values, signs)]
+            data = page[i * 256 + j * 8 : i * 256 + (j + 1) * 8]
+            assert [int(b) & 15 for b in data] == codes[0::2] and [int(b) >> 4 for b in data] == codes[1::2]

@@ -8,6 +8,7 @@ fp8 products against the oracle's scores within the e4m3 rounding.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -190,8 +191,9 @@ def test_interpreter_dcp_shard_equals_reference(index_format, page_size, rank, w
 
 @pytest.mark.parametrize("index_format", FORMATS)
 def test_write_index_keys_round_trip(index_format):
-    """Written keys read back within the stated bound (fp8: ``2**-4 |x| + 2**-10 s``; bf16:
-    bf16 rounding); ``-1`` and out-of-range slots write nothing."""
+    """Written keys read back within the stated bound (fp8: ``2**-4 |x| + 2**-10 s``; fp4:
+    ``2**-2 |x| + 2**-2 s`` with ``s`` its block's scale; bf16: bf16 rounding); ``-1`` and
+    out-of-range slots write nothing."""
     cache = new_index_cache(index_format, 3, 4)
     keys = torch.randn(5, 128) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 7.0]).unsqueeze(1)
     slots = torch.tensor([0, 5, -1, 11, 12])
@@ -201,6 +203,9 @@ def test_write_index_keys_round_trip(index_format):
     if index_format == "fp8":
         scale = 2.0 ** torch.ceil(torch.log2(kept.abs().amax(1, keepdim=True).clamp_min(1e-4) / 448))
         bound = 2**-4 * kept.abs() + 2**-10 * scale
+    elif index_format == "fp4":  # s >= amax / 6 (a power of two), under 2 * amax / 6 (up to fp32 rounding)
+        scale = 2 * kept.unflatten(1, (4, 32)).abs().amax(2, keepdim=True).clamp_min(6 * 2.0**-126) / 6
+        bound = (2**-2 * kept.unflatten(1, (4, 32)).abs() + 2**-2 * scale * (1 + 2**-20)).flatten(1)
     else:
         bound = 2**-8 * kept.abs()
     assert ((back - kept).abs() <= bound).all()
@@ -454,3 +459,25 @@ def test_topk_and_candidates_op_opcheck_and_bad_input():
         compile_ops.indexer_topk_and_candidates(*args, 5, 0, 2, "fp8")
     with pytest.raises(ValueError, match="order"):
         compile_ops.indexer_topk_and_candidates(*args, 5, 3, 2, "fp8", "position")
+
+
+def test_fp4_index_key_bytes_equal_deepseeks_quantizer():
+    """``fp4`` index keys hold, byte for byte, what DeepSeek-V4.1's ``fp4_act_quant`` (32-value
+    blocks, ue8m0 scales) makes of them: ``s = 2**ceil(log2(fp32(max(amax, 6 * 2**-126) *
+    fp32(1/6))))``, values ``clamp(x / s, -6, 6)`` rounded to nearest e2m1 (ties to the even
+    code); written independently in float64 from the oracle's rounding."""
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(5, 128, generator=gen) * torch.tensor([1.0, 1e-30, 6.0, 0.0, 3e5]).unsqueeze(1)
+    keys[0, :12] = torch.tensor([6.0, 3.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -1.25, 1.5])
+    cache = new_index_cache("fp4", 1, 5)
+    compile_ops.write_index_keys(cache, torch.arange(5), keys, "fp4")
+    page = cache.view(torch.uint8).reshape(-1).numpy()
+    for i, row in enumerate(keys.double().numpy()):
+        for j, block in enumerate(row.reshape(4, 32)):
+            s = oracle._fp4_scale(float(np.abs(block).max()))
+            assert page[5 * 64 + i * 4 + j] == round(np.log2(s)) + 127
+            y = np.clip(block / s, -6, 6)
+            codes = [int(np.where(oracle._e2m1(np.arange(8)) == abs(v))[0][0]) | (8 * bool(neg))
+                     for v, neg in zip(oracle._round_e2m1(y), np.signbit(y))]
+            data = page[i * 64 + j * 16 : i * 64 + (j + 1) * 16]
+            assert [int(b) & 15 for b in data] == codes[0::2] and [int(b) >> 4 for b in data] == codes[1::2]

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from compile_ops.indexer.cache import IndexFormat, quantize_e4m3
+from compile_ops.indexer.cache import IndexFormat, dequantize_e2m1, quantize_e2m1, quantize_e4m3
 
 
 TRITON_MAX_K = 4096  # the Triton top-k sorts a row's k kept entries in one program's registers
@@ -94,7 +94,11 @@ def pinned_blocks(args: IndexerArgs) -> Tensor:
 def product_query(args: IndexerArgs) -> tuple[Tensor, Tensor]:
     """``(q, weights)`` in the products' terms: with an ``fp8`` cache, q quantized like the
     keys (:func:`compile_ops.indexer.cache.quantize_e4m3`, per (token, head) row) and its
-    power-of-two scale folded into the weights; with ``bf16``, both as given."""
+    power-of-two scale folded into the weights; with ``fp4``, q fake-quantized like the keys
+    (:func:`compile_ops.indexer.cache.quantize_e2m1`, per 32 values of a head), as
+    DeepSeek-V4.1's indexer does; with ``bf16``, both as given."""
+    if args.fmt.fp4:
+        return dequantize_e2m1(*quantize_e2m1(args.q), packed=False), args.weights
     if not args.fmt.fp8:
         return args.q, args.weights
     q, scale = quantize_e4m3(args.q)

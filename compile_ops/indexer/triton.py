@@ -45,7 +45,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops._triton_quant import power_of_two, to_e4m3, ue8m0_exponent
+from compile_ops._triton_quant import e2m1_code, e2m1_value, fp4_exponent, power_of_two, to_e4m3, ue8m0_exponent
 from compile_ops.indexer.inputs import IndexerArgs
 from compile_ops.mla.plan import num_sms
 
@@ -89,7 +89,7 @@ def _scores_kernel(
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, T, R, L, num_slots, page_size, Hi, S,
     rank, world, interleave, block, nb,
     HI: tl.constexpr, FP8: tl.constexpr, RESTRICT: tl.constexpr, BN: tl.constexpr, ITERS: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr,
+    UPCAST: tl.constexpr, TMA: tl.constexpr, FP4: tl.constexpr = False,
 ):
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     row, n_t = _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave)
@@ -106,6 +106,11 @@ def _scores_kernel(
         exponent = ue8m0_exponent(tl.max(tl.abs(b_qf), 1))
         b_q = to_e4m3(b_qf * power_of_two(254 - exponent)[:, None])
         b_w = b_w * power_of_two(exponent)
+    if FP4:  # q fake-quantized like the keys (quantize_e2m1), exact in bf16
+        b_qb = tl.reshape(b_q.to(tl.float32), [HI, 4, 32])
+        q_scale = power_of_two(fp4_exponent(tl.max(tl.abs(b_qb), 2)))[:, :, None]
+        b_qb = e2m1_value(e2m1_code(tl.clamp(tl.math.div_rn(b_qb, q_scale), -6.0, 6.0))) * q_scale
+        b_q = tl.reshape(b_qb, [HI, 128]).to(tl.bfloat16)
     o_n = tl.arange(0, BN)
     for i in range(0, ITERS if ITERS > 0 else tl.cdiv(tl.maximum(nb_t - i_s, 0), S)):
         c = (i_s + i * S) * BN + o_n
@@ -118,7 +123,14 @@ def _scores_kernel(
             m_c = m_c & (tl.load(allowed + i_t * s_at + blk, mask=m_c & (blk < nb), other=0) != 0)
         page = tl.where(m_c, page, 0)
         base = cache + page * s_page
-        if TMA:  # the block is one page's run of BN entries: one bulk copy, no address per byte
+        if FP4:  # 64 bytes of e2m1 pairs, then (after the page's rows) 4 ue8m0 bytes: bf16 keys
+            o_p = tl.arange(0, 64)
+            b_b = tl.load(base[:, None] + off[:, None] * 64 + o_p[None, :], mask=m_c[:, None], other=0).to(tl.int32)
+            b_e = tl.load(base[:, None] + page_size * 64 + off[:, None] * 4 + tl.arange(0, 4)[None, :],
+                          mask=m_c[:, None], other=127).to(tl.int32)
+            b_v = tl.reshape(e2m1_value(tl.join(b_b & 15, b_b >> 4)), [BN, 4, 32]) * power_of_two(b_e)[:, :, None]
+            b_k = tl.reshape(b_v, [BN, 128]).to(tl.bfloat16)
+        elif TMA:  # the block is one page's run of BN entries: one bulk copy, no address per byte
             first = (i_s + i * S) * BN
             p_blk = tl.load(table + row * s_bt + first // page_size, mask=first < n_t, other=-1)
             b_k = tl.reshape(keys.load([p_blk, first % page_size, 0]), [BN, 128])  # e4m3; pages past the cache read 0
@@ -550,7 +562,7 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple
             rank, world, interleave, args.candidate_block, allowed.shape[-1],
             HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
             ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
-            num_stages=stages,
+            FP4=args.fmt.fp4, num_stages=stages,
         )
         select(scores, n, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs])
     return outs

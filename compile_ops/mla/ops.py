@@ -14,7 +14,7 @@ from torch import Tensor
 from compile_ops import backends
 from compile_ops._compat import omittable_mutated_args
 from compile_ops._checks import check_dim, check_positive, check_tensor
-from compile_ops.formats import HEAD_DIM, check_cache
+from compile_ops.formats import HEAD_DIM, check_cache, get_format
 from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.plan import check_workspace, workspace_bytes
 from compile_ops.mla.reference import sparse_mla_reference
@@ -157,7 +157,8 @@ Args:
         or all three ``None``.
     sink: ``[H]`` fp32 attention-sink logits, or ``None``; ``-inf`` has no effect.
     sm_scale: softmax scale applied to ``<q, k>``.
-    kv_format: ``"bf16"``, ``"fp8"``, ``"fp8_ds_mla"`` or ``"fp8_dsv41"``.
+    kv_format: ``"bf16"``, ``"fp8"``, ``"fp8_ds_mla"``, ``"fp8_dsv41"`` or ``"fp4_dsv41"``
+        (read by the reference backend only, for now).
     kv_scale: per-tensor scale of the ``"fp8"`` format (ignored by the others).
 
 Returns:
@@ -223,6 +224,18 @@ def gluon_triton_unsupported(version: str) -> Optional[str]:
     )
 
 
+def _e2m1_unread(kernel: str, kv_format) -> Optional[str]:
+    """Why ``kernel`` refuses ``kv_format`` (``None``: it reads it): no Triton kernel decodes
+    e2m1 entries yet, so ``fp4_dsv41`` caches go to the reference."""
+    if kv_format is not None and get_format(kv_format).fp4:
+        return f"{kernel} does not read {kv_format} caches (e2m1 entries): the reference backend does"
+    return None
+
+
+def _triton_unavailable(device, kv_format):
+    return backends.cuda_with_triton(device, kv_format) or _e2m1_unread("the tl kernel", kv_format)
+
+
 def _gluon_unavailable(device, kv_format):
     if device.type != "cuda":
         return f"the Gluon kernel runs on CUDA devices only, got {device.type}"
@@ -234,7 +247,7 @@ def _gluon_unavailable(device, kv_format):
         import triton.experimental.gluon  # noqa: F401
     except ImportError as err:
         return f"the Gluon kernel needs triton with triton.experimental.gluon ({err})"
-    return gluon_triton_unsupported(triton.__version__)
+    return gluon_triton_unsupported(triton.__version__) or _e2m1_unread("the Gluon kernel", kv_format)
 
 
 def _flashmla_unavailable(device, kv_format):
@@ -263,7 +276,7 @@ backends.register_backend("sparse_mla", "gluon", _gluon_unavailable,
 backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.flashmla", "sparse_mla_flashmla")},
                           limits=backends.imported("compile_ops.mla.flashmla", "flashmla_args_unsupported"))
-backends.register_backend("sparse_mla", "triton", backends.cuda_with_triton,
+backends.register_backend("sparse_mla", "triton", _triton_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.triton", "sparse_mla_triton")})
 backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.flashinfer", "sparse_mla_flashinfer")},
