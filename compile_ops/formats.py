@@ -258,7 +258,7 @@ def decode_rows(rows: torch.Tensor, kv_format: str, kv_scale: float = 1.0) -> to
         out = rows.view(torch.float8_e4m3fn).float() * kv_scale
     elif fmt.fp4:
         scale = rows[:, fmt.data_bytes :].view(torch.float8_e4m3fn).float()
-        values = unpack_e2m1(rows[:, : fmt.data_bytes]).reshape(rows.shape[0], -1, fmt.block)
+        values = unpack_e2m1(rows[:, : fmt.data_bytes]).reshape(rows.shape[0], HEAD_DIM // fmt.block, fmt.block)
         out = (values * scale.unsqueeze(-1)).reshape(rows.shape[0], HEAD_DIM)
     else:
         n, nblocks = rows.shape[0], fmt.nope // fmt.block

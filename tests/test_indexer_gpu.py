@@ -14,16 +14,17 @@ pytestmark = pytest.mark.gpu
 i32 = torch.int32
 
 
-def big_problem(T, Hi, n_max, page_size=64, seed=0, causal=False):
+def big_problem(T, Hi, n_max, page_size=64, seed=0, causal=False, index_format="fp8"):
     """``T`` tokens over ``min(T, 4)`` requests of ``n_max`` entries' capacity; random
-    per-token counts (or causal: ``n_max - T + 1 + t``), integer keys, a hole per request."""
+    per-token counts (or causal: ``n_max - T + 1 + t``), integer keys (fp4: dyadic values
+    of a few bits once quantized, still exact sums), a hole per request."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     R = 1 if causal else min(T, 4)
     B = n_max // page_size
-    cache = compile_ops.indexer.cache.new_index_cache("fp8", R * B + 1, page_size, device="cuda")
+    cache = compile_ops.indexer.cache.new_index_cache(index_format, R * B + 1, page_size, device="cuda")
     n_slots = (R * B + 1) * page_size
     keys = torch.randint(-7, 8, (n_slots, 128), device="cuda", generator=gen).float()
-    compile_ops.write_index_keys(cache, torch.arange(n_slots, device="cuda"), keys, "fp8")
+    compile_ops.write_index_keys(cache, torch.arange(n_slots, device="cuda"), keys, index_format)
     table = torch.randperm(R * B + 1, device="cuda", generator=gen)[: R * B].view(R, B).to(i32)
     table[:, B // 3] = -1
     q = torch.randint(-2, 3, (T, Hi, 128), device="cuda", generator=gen).bfloat16()
@@ -36,20 +37,21 @@ def big_problem(T, Hi, n_max, page_size=64, seed=0, causal=False):
     return q, weights, cache, table, rows, n
 
 
-def both(args, k):
+def both(args, k, index_format="fp8"):
     with compile_ops.use_backends(indexer="reference"):
-        want = compile_ops.indexer_topk(*args, k, "fp8")
+        want = compile_ops.indexer_topk(*args, k, index_format)
     assert compile_ops.backend_for("indexer", "cuda") == "triton"
-    return compile_ops.indexer_topk(*args, k, "fp8"), want
+    return compile_ops.indexer_topk(*args, k, index_format), want
 
 
 CASES = [(1, 64, 2048, 1 << 19), (8, 32, 1024, 1 << 17), (64, 64, 512, 1 << 15), (256, 32, 2048, 1 << 13),
          (64, 32, 2048, 1 << 15)]
 
 
+@pytest.mark.parametrize("index_format", ["fp8", "fp4"])
 @pytest.mark.parametrize("T,Hi,k,n_max", CASES, ids=[f"T{c[0]}-Hi{c[1]}-k{c[2]}-n{c[3]}" for c in CASES])
-def test_gpu_matches_reference(T, Hi, k, n_max):
-    got, want = both(big_problem(T, Hi, n_max, seed=T), k)
+def test_gpu_matches_reference(T, Hi, k, n_max, index_format):
+    got, want = both(big_problem(T, Hi, n_max, seed=T, index_format=index_format), k, index_format)
     assert torch.equal(got, want)
 
 

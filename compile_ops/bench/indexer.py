@@ -1,8 +1,9 @@
 """``python -m compile_ops.bench indexer``: ``indexer_topk`` against plain torch and its floor.
 
-Decode cases (``T`` tokens, one request each, ``n`` entries per request, fp8 index cache,
-64 heads, top-512): the op's time by CUDA-graph replay, the index-key bytes it must read
-(``T * n * 132``) as GB/s and as a share of the H200's 4.3 TB/s, next to the same call of
+Decode cases (``T`` tokens, one request each, ``n`` entries per request, an fp8 index cache
+(``--index-format fp4``: DeepSeek-V4.1's), 64 heads (``--heads``), top-512): the op's time by
+CUDA-graph replay, the index-key bytes it must read (``T * n * 132``, fp4 ``T * n * 68``) as
+GB/s and as a share of the H200's 4.3 TB/s, next to the same call of
 ``torch.compile``'d plain torch (gather, dequantize, ``einsum``, ``torch.topk``; only where
 its ``[T, n, 128]`` keys fit in 2 GiB) and to ``torch.topk`` alone on the op's own scores,
 against the op's top-k kernels alone on them; each in descending score and in id order
@@ -23,14 +24,13 @@ from compile_ops._cli import description
 from compile_ops.bench import COPY_BYTES_PER_S as HBM_BYTES_PER_S
 from compile_ops.bench.slots import graph_args, graph_time_us, int_list, no_cuda
 
-ENTRY_BYTES = 132
 PAGE = 64
 HEADS = 64
 K = 512  # DeepSeek-V4.1-Flash's index_topk
 DENSE_LIMIT = 1 << 29  # elements of the compiled reference's dequantized keys (2 GiB fp32)
 
 
-def problem(T: int, n: int, capacity: int, device):
+def problem(T: int, n: int, capacity: int, device, index_format: str = "fp8", heads: int = HEADS):
     """``T`` tokens of ``T`` requests with ``n`` entries each, in a table addressing
     ``capacity`` entries per request (pages past ``n`` are ``-1``)."""
     import compile_ops
@@ -38,29 +38,32 @@ def problem(T: int, n: int, capacity: int, device):
 
     gen = torch.Generator(device=device).manual_seed(T + n)
     used = -(-n // PAGE)
-    cache = new_index_cache("fp8", T * used, PAGE, device=device)
+    cache = new_index_cache(index_format, T * used, PAGE, device=device)
     compile_ops.write_index_keys(cache, torch.arange(T * used * PAGE, device=device),
-                                 torch.randn(T * used * PAGE, 128, device=device, generator=gen), "fp8")
+                                 torch.randn(T * used * PAGE, 128, device=device, generator=gen), index_format)
     table = torch.full((T, capacity // PAGE), -1, dtype=torch.int32, device=device)
     table[:, :used] = torch.randperm(T * used, device=device, generator=gen).to(torch.int32).view(T, used)
-    q = torch.randn(T, HEADS, 128, device=device, generator=gen).bfloat16()
-    weights = torch.randn(T, HEADS, device=device, generator=gen)
+    q = torch.randn(T, heads, 128, device=device, generator=gen).bfloat16()
+    weights = torch.randn(T, heads, device=device, generator=gen)
     rows = torch.arange(T, dtype=torch.int32, device=device)
     counts = torch.full((T,), n, dtype=torch.int32, device=device)
     return q, weights, cache, table, rows, counts
 
 
-def dense_reference(q, weights, cache, table, rows, counts):
+def dense_reference(q, weights, cache, table, rows, counts, index_format):
     """Plain torch over every addressed entry: gather, dequantize, score, ``torch.topk``."""
-    from compile_ops.indexer.cache import quantize_e4m3, read_index_keys
+    from compile_ops.indexer.cache import dequantize_e2m1, quantize_e2m1, quantize_e4m3, read_index_keys
 
     L = table.shape[1] * PAGE
     ids = torch.arange(L, device=q.device)
     slots = table[rows.long()][:, ids // PAGE].long() * PAGE + ids % PAGE
     valid = (ids < counts.unsqueeze(1)) & (slots >= 0)
-    keys = read_index_keys(cache, torch.where(valid, slots, -1), "fp8")
-    q8, scale = quantize_e4m3(q)
-    dots = torch.einsum("thd,tnd->thn", q8.float(), keys)
+    keys = read_index_keys(cache, torch.where(valid, slots, -1), index_format)
+    if index_format == "fp4":
+        qd, scale = dequantize_e2m1(*quantize_e2m1(q), packed=False), torch.ones_like(weights)
+    else:
+        qd, scale = quantize_e4m3(q)
+    dots = torch.einsum("thd,tnd->thn", qd.float(), keys)
     scores = (dots.clamp_min(0) * (weights * scale).unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
     return torch.topk(scores, min(K, L), dim=1).indices
 
@@ -74,24 +77,30 @@ def main(argv: list[str]) -> int:
                         help="comma-separated entries per request")
     graph_args(parser, 10, "bench_indexer.csv")
     parser.add_argument("--plot", default="", help="PNG of GB/s against entries per request")
+    parser.add_argument("--index-format", choices=("fp8", "fp4"), default="fp8", help="the index-key cache's format")
+    parser.add_argument("--heads", type=int, default=HEADS, help="index heads (DeepSeek-V4.1: 32)")
     args = parser.parse_args(argv)
     if no_cuda("indexer"):
         return 1
     import compile_ops
     from compile_ops.indexer import ops
     from compile_ops.indexer import triton as tri
+    from compile_ops.indexer.cache import get_index_format
     from compile_ops.indexer.inputs import local_counts
 
+    fmt_name, heads = args.index_format, args.heads
+    entry_bytes = get_index_format(fmt_name).bytes_per_token
     device = torch.device("cuda")
     todo = [(T, n) for n in args.entries for T in args.tokens]
     rows = []
     compiled_reference = torch.compile(dense_reference, dynamic=False)
     for T, n in progress(todo, desc="indexer", unit="case"):
-        p = problem(T, n, n, device)
-        op_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp8"), args.calls, args.replays)
+        p = problem(T, n, n, device, fmt_name, heads)
+        op_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, fmt_name), args.calls, args.replays)
         # the layer's call: the same ids in id order, no sort
-        op_id_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp8", order="id"), args.calls, args.replays)
-        fmt = ops._check_topk(*p, K, "fp8")
+        op_id_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, fmt_name, order="id"), args.calls,
+                                 args.replays)
+        fmt = ops._check_topk(*p, K, fmt_name)
         n_local = local_counts(ops._args(*p, K, fmt))[1]
         scores = torch.empty(T, n, device=device)
         ids, vals = torch.empty(T, K, dtype=torch.int32, device=device), torch.empty(T, K, device=device)
@@ -103,8 +112,8 @@ def main(argv: list[str]) -> int:
         torch_topk_us = graph_time_us(lambda: torch.topk(scores, K, dim=1), args.calls, args.replays)
         ref_us = None
         if T * n * 128 <= DENSE_LIMIT:
-            ref_us = graph_time_us(lambda: compiled_reference(*p), 2, 3)
-        nbytes = T * n * ENTRY_BYTES
+            ref_us = graph_time_us(lambda: compiled_reference(*p, fmt_name), 2, 3)
+        nbytes = T * n * entry_bytes
         rows.append(dict(T=T, entries=n, key_bytes=nbytes, op_us=round(op_us, 1), op_id_order_us=round(op_id_us, 1),
                          GBps=round(nbytes / op_us / 1e3, 1),
                          pct_hbm=round(100 * nbytes / op_us / 1e-6 / HBM_BYTES_PER_S, 1),
@@ -113,13 +122,13 @@ def main(argv: list[str]) -> int:
                          torch_topk_us=round(torch_topk_us, 1)))
     capacity = {}
     for cap in (1024, 262144):
-        p = problem(64, 1024, cap, device)
-        capacity[cap] = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp8"), args.calls, args.replays)
+        p = problem(64, 1024, cap, device, fmt_name, heads)
+        capacity[cap] = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, fmt_name), args.calls, args.replays)
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\n{torch.cuda.get_device_name()}; fp8 index cache, {HEADS} heads, k = {K}; csv: {args.csv}\n")
+    print(f"\n{torch.cuda.get_device_name()}; {fmt_name} index cache, {heads} heads, k = {K}; csv: {args.csv}\n")
     print("| T | entries / request | op us | op us, id order | key GB/s | % of 4.3 TB/s | compiled plain torch us | "
           "top-k kernels us | top-k, id order | torch.topk us |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -143,7 +152,7 @@ def main(argv: list[str]) -> int:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("entries per request")
         ax.set_ylabel("index-key GB/s")
-        ax.set_title("indexer_topk (fp8, 64 heads, k = 512)")
+        ax.set_title(f"indexer_topk ({fmt_name}, {heads} heads, k = {K})")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
