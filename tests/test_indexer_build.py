@@ -46,13 +46,13 @@ def builds() -> dict:
                            cand_ids="*i32", ids="*i32", vals="*fp32"))
     out = {}
     for fmt, restrict, bulk in (("fp8", False, False), ("fp8", True, False), ("bf16", False, False),
-                                ("fp8", False, True), ("fp8", True, True)):
-        cache = "*u8" if fmt == "fp8" else "*bf16"
+                                ("fp8", False, True), ("fp8", True, True), ("fp4", False, False)):
+        cache = "*bf16" if fmt == "bf16" else "*u8"
         keys = f"tensordesc<fp8e4nv[1, {kernels.BN}, 128]>" if bulk else cache
         out[f"scores-{fmt}-{'restricted' if restrict else 'all'}{'-bulk' if bulk else ''}"] = dict(
             scores, types={**scores["types"], "cache": cache, "keys": keys}, num_stages=kernels.SCORE_LAUNCH[bulk][1],
             constants=dict(HI=32, FP8=fmt == "fp8", RESTRICT=restrict, BN=kernels.BN, ITERS=0, UPCAST=False,
-                           TMA=bulk))
+                           TMA=bulk, FP4=fmt == "fp4"))
     launches = {launch._replace(programs=0, cover=0) for T in (1, 64, 256, 4096)
                 for L in (512, 8192, 1 << 15, 1 << 17, 1 << 20) for k in (512, 2048)
                 for stage in kernels.topk_plan(T, L, k, sms=132) for launch in stage}
@@ -95,10 +95,11 @@ def test_every_kernel_builds_without_new_spills(reports):
 
 
 def test_scores_run_on_the_tensor_cores_with_streamed_keys(reports):
-    """fp8 (or bf16) wgmma products, keys loaded row by row 16 bytes per lane (16 programs
-    per SM keep the loads in flight), or by TMA bulk copies (pages of whole 64-entry
-    blocks)."""
-    for fmt in ("fp8-all", "fp8-restricted", "bf16-all", "fp8-all-bulk", "fp8-restricted-bulk"):
+    """fp8 (or bf16: bf16 and fp4 keys) wgmma products, keys loaded row by row 16 bytes per
+    lane (16 programs per SM keep the loads in flight), or by TMA bulk copies (pages of whole
+    64-entry blocks); fp4 keys widened by byte permutes (``PRMT``, the table lookups)."""
+    assert sum(n for op, n in reports["scores-fp4-all"]["ops"].items() if op.startswith("PRMT")) >= 20
+    for fmt in ("fp8-all", "fp8-restricted", "bf16-all", "fp8-all-bulk", "fp8-restricted-bulk", "fp4-all"):
         ops = reports[f"scores-{fmt}"]["ops"]
         assert ("QGMMA" if fmt.startswith("fp8") else "HGMMA") in " ".join(ops), ops
         assert "UTMALDG" in " ".join(ops) if fmt.endswith("bulk") else any(op.startswith("LDG.E.128") for op in ops), ops
