@@ -82,14 +82,23 @@ def e2m1_value(code):
     return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
-# e2m1_bytes_to_bf16's PTX: 4 bytes ($4, 8 nibbles) and one block's lookup tables ($5 / $9:
-# high bytes of magnitudes 0-3 / 4-7, $13 / $17: low bytes) into bf16x2 pairs: $0, $1 the
-# values of the low nibbles of bytes 0-1 / 2-3, $2, $3 of the high nibbles. Per half-word:
-# the magnitudes select both bytes from the tables, the signs a 0x00 / 0x80 byte each
-_E2M1X8_TO_BF16 = tl.constexpr("{\n.reg .b32 g, m, h, l, s, signs;\nmov.b32 signs, 0x8000;\n" + "".join(
-    f"{'mov.b32 g, $4' if j == 0 else 'shr.b32 g, $4, 16'};\nand.b32 m, g, 0x7777;\nprmt.b32 h, $5, $9, m;\n"
-    f"prmt.b32 l, $13, $17, m;\nshr.b32 s, g, 3;\nand.b32 s, s, 0x1111;\nprmt.b32 s, signs, 0, s;\n"
-    f"or.b32 h, h, s;\nprmt.b32 ${j}, l, h, 0x6240;\nprmt.b32 ${2 + j}, l, h, 0x7351;\n" for j in range(2)) + "}")
+# e2m1_bytes_to_bf16's PTX: a byte ($2, two e2m1 codes) and its block's lookup tables ($3 / $4:
+# the high bytes of magnitudes 0-3 / 4-7, $5 / $6: the low bytes) into the two bf16 values
+# $0 (low nibble) and $1: the magnitudes select both bytes from the tables, the signs a
+# 0x00 / 0x80 byte each, and one more permute interleaves them
+_E2M1X2_TO_BF16 = tl.constexpr("""{
+.reg .b32 m, h, l, s, v;
+and.b32 m, $2, 0x77;
+prmt.b32 h, $3, $4, m;
+prmt.b32 l, $5, $6, m;
+shr.b32 s, $2, 3;
+and.b32 s, s, 0x11;
+mov.b32 v, 0x8000;
+prmt.b32 s, v, 0, s;
+or.b32 h, h, s;
+prmt.b32 v, l, h, 0x5140;
+mov.b32 {$0, $1}, v;
+}""")
 
 
 @triton.jit
@@ -101,11 +110,14 @@ def e2m1_bytes_to_bf16(packed, exponent):
 
     bf16's bits of ``m * 2**(e - 127)`` for an e2m1 magnitude ``m`` are an exponent field
     ``e + c`` (``c`` = -1, 0, 0, 1, 1, 2, 2 for codes 1-7) and a mantissa of 0 or 0x40, so
-    one block's 8 high and 8 low bytes make 4 byte tables (from ``exponent``, per element
-    here but one per block in effect), and each code costs two byte permutes as a table
-    lookup, its sign a third, and two more interleave the bytes: about 2.5 instructions a
-    value where the arithmetic conversion (:func:`e2m1_value`, then a multiply and a cast)
-    takes about 12."""
+    one block's 8 high and 8 low bytes make 4 byte tables (from ``exponent``, the same
+    registers for a block's bytes), and a byte costs two byte permutes as table lookups of
+    its two codes, a third for their signs and one more to interleave the bytes: about 4.5
+    instructions a value, where the arithmetic conversion (:func:`e2m1_value`, then a
+    multiply and a cast) takes about 12. One byte per call: the elements a thread holds
+    (in the MMA operand's layout) belong to different entries and blocks, so no two share
+    tables.
+    """
     odd = (exponent & 1) << 7
     even = 128 - odd  # the low bytes' exponent bit for e - 1 and e + 1
     h1, h2, h3, h4 = (exponent - 1) >> 1, exponent >> 1, (exponent + 1) >> 1, (exponent + 2) >> 1
@@ -113,9 +125,9 @@ def e2m1_bytes_to_bf16(packed, exponent):
     high_hi = h3 | (h3 << 8) | (h4 << 16) | (h4 << 24)
     low_lo = (even << 8) | (odd << 16) | ((odd | 64) << 24)
     low_hi = even | ((even | 64) << 8) | (odd << 16) | ((odd | 64) << 24)
-    return tl.inline_asm_elementwise(_E2M1X8_TO_BF16, "=r,=r,=r,=r" + ",r" * 17,
-                                     [packed, high_lo, high_hi, low_lo, low_hi], dtype=(tl.bfloat16, tl.bfloat16),
-                                     is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(_E2M1X2_TO_BF16, "=h,=h,r,r,r,r,r",
+                                     [packed.to(tl.int32), high_lo, high_hi, low_lo, low_hi],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
 
 
 @triton.jit
