@@ -200,9 +200,12 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """fp32 values of 4-bit e2m1 ``codes`` (any integer dtype, values 0..15)."""
-    table = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), device=codes.device)
-    return table[codes.long()]
+    """fp32 values of 4-bit e2m1 ``codes`` (any integer dtype, values 0..15): magnitudes
+    :data:`E2M1_MAGNITUDES` ``[m]`` of ``m = code & 7`` (``m / 2`` below 4, ``m - 2`` below 6,
+    else ``2m - 8``; arithmetic, so no table is copied to the device), negative with bit 3."""
+    m = (codes & 7).float()
+    magnitude = torch.where(m < 4, m / 2, torch.where(m < 6, m - 2, 2 * m - 8))
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:

@@ -158,3 +158,14 @@ def test_fp4_bytes_equal_deepseeks_quantizer():
                      for v, neg in zip(values, signs)]
             data = page[i * 256 + j * 8 : i * 256 + (j + 1) * 8]
             assert [int(b) & 15 for b in data] == codes[0::2] and [int(b) >> 4 for b in data] == codes[1::2]
+
+
+def test_e2m1_values_equal_the_bit_level_decoder():
+    """The 16 e2m1 codes decode to :data:`E2M1_MAGNITUDES` and their negatives, as the
+    oracle's decoder of the bits (bias 1, one mantissa bit, ``ee = 0`` subnormal) reads them."""
+    from compile_ops.formats import E2M1_MAGNITUDES, e2m1_values
+
+    got = e2m1_values(torch.arange(16)).double().numpy()
+    np.testing.assert_array_equal(got, oracle._e2m1(np.arange(16)))
+    np.testing.assert_array_equal(np.abs(got[:8]), E2M1_MAGNITUDES)
+    assert np.signbit(got[8:]).all() and not np.signbit(got[:8]).any()
