@@ -22,10 +22,11 @@ import torch
 
 import compile_ops
 from compile_ops._cli import description
-from compile_ops.formats import KV_FORMATS, new_cache, read_kv
+from compile_ops.formats import KV_FORMATS, get_format, new_cache, read_kv
 from compile_ops.kv import write_kv
 
 i32 = torch.int32
+FP4_ROW_TOLERANCE = 0.34  # of a row's largest value: 1/4 + (1/4) * (1/3) * (1 + 2**-4) (e4m3-rounded scale)
 
 
 @dataclass
@@ -131,7 +132,7 @@ def check_writes(gen: torch.Generator, device) -> list[Row]:
     slots (``-1`` and out-of-range ones skipped) read back within the format's rounding of
     float64 rows, relative to each row's largest value; a slot nobody wrote must stay zero
     (each one that does not adds 1 to the error)."""
-    from compile_ops.indexer.cache import new_index_cache, read_index_keys
+    from compile_ops.indexer.cache import INDEX_FORMATS, new_index_cache, read_index_keys
 
     pages, page, n = 3, 16, 40
     slots = torch.randperm(pages * page, generator=gen)[:n].to(i32)
@@ -154,16 +155,17 @@ def check_writes(gen: torch.Generator, device) -> list[Row]:
         cache = new_cache(kv_format, pages, page, device=device)
         write_kv(cache, slots.to(device), x.float().to(device), kv_format)
         back = read_kv(cache, all_slots, kv_format).double().cpu()
-        # bf16: one rounding; e4m3 (with fp8_ds_mla's bf16 RoPE part): 2**-4 of the largest value
+        # bf16: one rounding; e4m3 (with fp8_ds_mla's bf16 RoPE part): 2**-4 of the largest value;
+        # e2m1: 2**-2 of a value plus 2**-2 of its block's scale (at most a third of its max)
         row(f"write_kv[{kv_format}]", compile_ops.backend_for("kv", device), back, x, 512,
-            2.0**-8 if kv_format == "bf16" else 2.0**-4)
-    for index_format in ("bf16", "fp8"):
+            2.0**-8 if kv_format == "bf16" else FP4_ROW_TOLERANCE if get_format(kv_format).fp4 else 2.0**-4)
+    for index_format in INDEX_FORMATS:
         x = torch.randn(n, 128, generator=gen, dtype=torch.float64)
         cache = new_index_cache(index_format, pages, page, device=device)
         compile_ops.write_index_keys(cache, slots.to(device), x.float().to(device), index_format)
         back = read_index_keys(cache, all_slots, index_format).double().cpu()
         row(f"write_index_keys[{index_format}]", compile_ops.backend_for("kv", device), back, x, 128,
-            2.0**-8 if index_format == "bf16" else 2.0**-4)
+            {"bf16": 2.0**-8, "fp8": 2.0**-4, "fp4": FP4_ROW_TOLERANCE}[index_format])
     return rows
 
 

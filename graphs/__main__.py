@@ -47,7 +47,7 @@ from graphs import DEFAULT_BUCKETS, PRESETS, TINY, V41_FLASH, CacheConfig, DSV41
 from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
                           time_large_steps, time_page_planning, time_prefill, time_replay, read_weight_bytes, weight_bytes)
 from graphs.fp8 import FP8_WEIGHTS_REL_TOL, dequantized_state_dict
-from graphs.naive import FP8_CACHE_REL_TOL, REL_TOL, oracle_verdict
+from graphs.naive import cache_tolerance, oracle_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
 
 DEFAULT_RATIOS = (1, 2)
@@ -370,7 +370,7 @@ def dcp_worker(rank: int, args, store: str, out: str) -> None:
             scale = max(w.abs().max().item() for w in want)
             diff = max((g - w).abs().max().item() for g, w in zip(got, want)) / scale
             mismatched = sum(int((a != b).any(-1).sum()) for a, b in zip(got_ids, want_ids)) if ratio else 0
-            tol = REL_TOL if cache.kv_format == "bf16" else FP8_CACHE_REL_TOL
+            tol = cache_tolerance(cache.kv_format)
             results[ratio] = {"tokens": sum(len(w) for w in want), "max_rel_diff": diff, "id_mismatches": mismatched,
                               "tolerance": tol, "graph_breaks": breaks, "cache_bytes_dcp1": held[0],
                               "cache_bytes_per_rank": held[1],

@@ -47,7 +47,8 @@ def test_the_parameters_are_v41s(ratio, params):
     assert layer.indexer.rotation is None and layer.cfg.norm_eps == 1e-20
 
 
-@pytest.mark.parametrize("kv_format, index_format", [("bf16", "fp8"), ("fp8_dsv41", "bf16")])
+@pytest.mark.parametrize("kv_format, index_format", [("bf16", "fp8"), ("fp8_dsv41", "bf16"), ("fp8_dsv41", "fp4"),
+                                                     ("fp4_dsv41", "fp4")])
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_mixed_steps_match_the_v41_oracle(ratio, kv_format, index_format):
     layer = DSV41Attention(TINY_V41, CacheConfig(4, 16, 64, 4, kv_format=kv_format, index_format=index_format), ratio,
