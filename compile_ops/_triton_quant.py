@@ -82,6 +82,54 @@ def e2m1_value(code):
     return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
+# e2m1_bytes_to_bf16's PTX: a byte ($2, two e2m1 codes) and its block's lookup tables ($3 / $4:
+# the high bytes of magnitudes 0-3 / 4-7, $5 / $6: the low bytes) into the two bf16 values
+# $0 (low nibble) and $1: the magnitudes select both bytes from the tables, the signs a
+# 0x00 / 0x80 byte each, and one more permute interleaves them
+_E2M1X2_TO_BF16 = tl.constexpr("""{
+.reg .b32 m, h, l, s, v;
+and.b32 m, $2, 0x77;
+prmt.b32 h, $3, $4, m;
+prmt.b32 l, $5, $6, m;
+shr.b32 s, $2, 3;
+and.b32 s, s, 0x11;
+mov.b32 v, 0x8000;
+prmt.b32 s, v, 0, s;
+or.b32 h, h, s;
+prmt.b32 v, l, h, 0x5140;
+mov.b32 {$0, $1}, v;
+}""")
+
+
+@triton.jit
+def e2m1_bytes_to_bf16(packed, exponent):
+    """bf16 ``(lo, hi)`` shaped like ``packed`` (uint8 bytes of two e2m1 codes, the low nibble
+    first): each nibble's value times ``2 ** (exponent - 127)``, ``exponent`` (int32, like
+    ``packed``) the ue8m0 byte of its block; exact for exponents 2..252 (at 1, a 0.5 code,
+    2**-127, reads as 0). CUDA only (inline PTX).
+
+    bf16's bits of ``m * 2**(e - 127)`` for an e2m1 magnitude ``m`` are an exponent field
+    ``e + c`` (``c`` = -1, 0, 0, 1, 1, 2, 2 for codes 1-7) and a mantissa of 0 or 0x40, so
+    one block's 8 high and 8 low bytes make 4 byte tables (from ``exponent``, the same
+    registers for a block's bytes), and a byte costs two byte permutes as table lookups of
+    its two codes, a third for their signs and one more to interleave the bytes: about 4.5
+    instructions a value, where the arithmetic conversion (:func:`e2m1_value`, then a
+    multiply and a cast) takes about 12. One byte per call: the elements a thread holds
+    (in the MMA operand's layout) belong to different entries and blocks, so no two share
+    tables.
+    """
+    odd = (exponent & 1) << 7
+    even = 128 - odd  # the low bytes' exponent bit for e - 1 and e + 1
+    h1, h2, h3, h4 = (exponent - 1) >> 1, exponent >> 1, (exponent + 1) >> 1, (exponent + 2) >> 1
+    high_lo = (h1 << 8) | (h2 << 16) | (h2 << 24)
+    high_hi = h3 | (h3 << 8) | (h4 << 16) | (h4 << 24)
+    low_lo = (even << 8) | (odd << 16) | ((odd | 64) << 24)
+    low_hi = even | ((even | 64) << 8) | (odd << 16) | ((odd | 64) << 24)
+    return tl.inline_asm_elementwise(_E2M1X2_TO_BF16, "=h,=h,r,r,r,r,r",
+                                     [packed.to(tl.int32), high_lo, high_hi, low_lo, low_hi],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
 @triton.jit
 def fp4_e4m3_scale(amax):
     """The e4m3 scale of fp4 blocks with max magnitudes ``amax``, as fp32

@@ -45,7 +45,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops._triton_quant import e2m1_code, e2m1_value, fp4_exponent, power_of_two, to_e4m3, ue8m0_exponent
+from compile_ops._triton_quant import (e2m1_bytes_to_bf16, e2m1_code, e2m1_value, fp4_exponent, power_of_two,
+                                      to_e4m3, ue8m0_exponent)
 from compile_ops.indexer.inputs import IndexerArgs
 from compile_ops.mla.plan import num_sms
 
@@ -125,11 +126,16 @@ def _scores_kernel(
         base = cache + page * s_page
         if FP4:  # 64 bytes of e2m1 pairs, then (after the page's rows) 4 ue8m0 bytes: bf16 keys
             o_p = tl.arange(0, 64)
-            b_b = tl.load(base[:, None] + off[:, None] * 64 + o_p[None, :], mask=m_c[:, None], other=0).to(tl.int32)
+            b_b = tl.load(base[:, None] + off[:, None] * 64 + o_p[None, :], mask=m_c[:, None], other=0)
             b_e = tl.load(base[:, None] + page_size * 64 + off[:, None] * 4 + tl.arange(0, 4)[None, :],
                           mask=m_c[:, None], other=127).to(tl.int32)
-            b_v = tl.reshape(e2m1_value(tl.join(b_b & 15, b_b >> 4)), [BN, 4, 32]) * power_of_two(b_e)[:, :, None]
-            b_k = tl.reshape(b_v, [BN, 128]).to(tl.bfloat16)
+            if UPCAST:  # the interpreter runs no PTX: the codes' values, times their scales
+                b_b = b_b.to(tl.int32)
+                b_v = tl.reshape(e2m1_value(tl.join(b_b & 15, b_b >> 4)), [BN, 4, 32]) * power_of_two(b_e)[:, :, None]
+                b_k = tl.reshape(b_v, [BN, 128]).to(tl.bfloat16)
+            else:
+                lo, hi = e2m1_bytes_to_bf16(b_b, tl.reshape(tl.broadcast_to(b_e[:, :, None], [BN, 4, 16]), [BN, 64]))
+                b_k = tl.reshape(tl.join(lo, hi), [BN, 128])
         elif TMA:  # the block is one page's run of BN entries: one bulk copy, no address per byte
             first = (i_s + i * S) * BN
             p_blk = tl.load(table + row * s_bt + first // page_size, mask=first < n_t, other=-1)
