@@ -84,8 +84,10 @@ def slot_decoder(cache: torch.Tensor, kv_format: str, kv_scale: float = 1.0):
     return decode
 
 
-def sparse_mla(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale=1.0):
-    """``sparse_mla`` (docs/ops.md) in float64: returns (out [T, H, 512], lse [T, H]) numpy arrays."""
+def sparse_mla(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale=1.0,
+               cmp_kv_format=None):
+    """``sparse_mla`` (docs/ops.md) in float64: returns (out [T, H, 512], lse [T, H]) numpy arrays;
+    the compressed cache decoded in ``cmp_kv_format`` when given."""
     qd = q.double().numpy()
     T, H, _ = qd.shape
     out = np.zeros((T, H, 512))
@@ -93,7 +95,8 @@ def sparse_mla(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_
     segments = [(swa_cache, swa_indices, swa_lens)]
     if cmp_cache is not None:
         segments.append((cmp_cache, cmp_indices, cmp_lens))
-    segments = [(c, slot_decoder(c, kv_format, kv_scale), i, n) for c, i, n in segments]
+    formats = [kv_format, cmp_kv_format or kv_format]
+    segments = [(c, slot_decoder(c, f, kv_scale), i, n) for (c, i, n), f in zip(segments, formats)]
     sink_d = None if sink is None else sink.double().numpy()
     for t in range(T):
         keys = []

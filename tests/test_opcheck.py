@@ -56,6 +56,17 @@ def test_sparse_mla(kv_format, with_cmp, sink):
     opcheck(torch.ops.dsv41.sparse_mla_out.default, (*args, out, lse, compile_ops.sparse_mla_workspace("cpu")))
 
 
+def test_sparse_mla_of_two_cache_formats():
+    """DeepSeek-V4.1's caches: fp8_dsv41 window rows, fp4_dsv41 compressed entries."""
+    args = list(sparse_mla_args("fp8_dsv41"))
+    entries = new_cache("fp4_dsv41", 2, 4)
+    write_kv(entries, torch.arange(8, dtype=i32), torch.randn(8, 512), "fp4_dsv41")
+    args[4] = entries
+    opcheck(torch.ops.dsv41.sparse_mla.default, (*args, "fp4_dsv41"))
+    out, lse = torch.empty(3, 5, 512, dtype=torch.bfloat16), torch.empty(3, 5)
+    opcheck(torch.ops.dsv41.sparse_mla_out.default, (*args, out, lse, None, "fp4_dsv41"))
+
+
 def slot_inputs():
     return (
         torch.randint(-1, 40, (4, 7), dtype=i32),

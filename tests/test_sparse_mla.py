@@ -55,8 +55,8 @@ def build(c):
     return (q, swa_cache, swa_idx, swa_lens, *cmp, sink, sm_scale, c["kv_format"], kv_scale)
 
 
-def assert_matches_oracle(out, lse, args):
-    want_out, want_lse = oracle.sparse_mla(*args)
+def assert_matches_oracle(out, lse, args, cmp_kv_format=None):
+    want_out, want_lse = oracle.sparse_mla(*args, cmp_kv_format=cmp_kv_format)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     got = out.double().numpy()
     # bf16 output rounding (2**-8 relative) plus fp32 accumulation
@@ -86,6 +86,44 @@ def test_sparse_mla_out_fills_caller_buffers(c):
     lse = torch.full((c["T"], c["H"]), float("nan"))
     assert compile_ops.sparse_mla_out(*args, out, lse) is None
     assert_matches_oracle(out, lse, args)
+
+
+@settings(max_examples=examples(0.5), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case, st.sampled_from(["fp4_dsv41", "fp8_dsv41", "bf16"]))
+def test_two_cache_formats_match_the_oracle(c, cmp_kv_format):
+    """DeepSeek-V4.1's caches: window rows in one format, compressed entries in another
+    (``cmp_kv_format``; V4.1: fp8_dsv41 and fp4_dsv41). Both ops against the oracle, which
+    decodes each cache in its own format."""
+    args = list(build({**c, "with_cmp": True}))
+    pages, page_size = args[4].shape[:2]
+    args[4] = make_cache(cmp_kv_format, pages, page_size, 0, args[10], gen=torch.Generator().manual_seed(c["seed"]))
+    out, lse = compile_ops.sparse_mla(*args, cmp_kv_format)
+    assert_matches_oracle(out, lse, args, cmp_kv_format)
+    out_buf = torch.full_like(out, float("nan"))
+    lse_buf = torch.full_like(lse, float("nan"))
+    compile_ops.sparse_mla_out(*args, out_buf, lse_buf, None, cmp_kv_format)
+    assert torch.equal(out_buf, out) and torch.equal(lse_buf, lse)
+
+
+def test_two_formats_name_the_compressed_cache_when_it_is_not_in_its_format():
+    """A compressed cache whose rows are not ``cmp_kv_format``'s, or an unknown
+    ``cmp_kv_format``, is a ValueError naming the argument; the tl kernel (one format for
+    both caches) refuses a call of two and says where it goes."""
+    from compile_ops import backends
+    from compile_ops.mla.inputs import SparseMLAArgs
+
+    q = torch.randn(1, 4, 512).bfloat16()
+    window, entries = new_cache("fp8_dsv41", 1, 4), new_cache("fp4_dsv41", 1, 4)
+    idx, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    call = (q, window, idx, lens, window, idx, lens, None, 0.1, "fp8_dsv41", 1.0)
+    with pytest.raises(ValueError, match="cmp_cache holds kv_format 'fp4_dsv41'"):
+        compile_ops.sparse_mla(*call, "fp4_dsv41")
+    with pytest.raises(ValueError, match="kv_format must be one of"):
+        compile_ops.sparse_mla(*call[:4], entries, *call[5:], "fp4")
+    args = SparseMLAArgs(*call[:4], entries, *call[5:], None, "fp4_dsv41")
+    _, limits, _ = backends._check_family("sparse_mla")["triton"]
+    assert "the reference backend reads two" in limits(args)
+    assert limits(args._replace(cmp_kv_format=None, cmp_cache=window)) is None
 
 
 @pytest.mark.parametrize("sink", [None, -math.inf, 0.7], ids=["no-sink", "sink=-inf", "sink=0.7"])

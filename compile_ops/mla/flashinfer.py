@@ -127,7 +127,12 @@ def flashinfer_unavailable(device: torch.device, kv_format: Optional[str]) -> Op
 def flashinfer_args_unsupported(args) -> Optional[str]:
     """The ``flashinfer`` backend's limits on one call's ``sparse_mla`` arguments: the SWA
     width its kernels take (SM100: at most 128 columns; SM120: at most 1024) and the size of
-    a caller's workspace."""
+    a caller's workspace; both caches in one format."""
+    from compile_ops.mla.ops import one_format_only
+
+    mixed = one_format_only("FlashInfer", args)
+    if mixed:
+        return mixed
     q, swa_indices = args.q, args.swa_indices
     major = torch.cuda.get_device_capability(q.device)[0]
     width = SM100_SWA_COLUMNS if major == 10 else SM120_SWA_WIDTHS[-1]
@@ -431,7 +436,7 @@ def sparse_mla_flashinfer(args, out, lse) -> None:
     columns, LSE computed in plain torch. SM12x: ``fp8_ds_mla``, page size 64 for the
     decode kernels, at most 1024 SWA columns, LSE from the kernel. Unverified on hardware.
     """
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, workspace = args
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, workspace = args[:12]
     if q.shape[0] == 0:
         return
     args = (q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens,

@@ -137,7 +137,12 @@ def write_outputs(fm_out, fm_lse, sink, out, lse, h0: int, n_heads: int) -> None
 
 def flashmla_args_unsupported(args) -> Optional[str]:
     """The ``flashmla`` backend's limits on one call's ``sparse_mla`` arguments: FlashMLA's
-    SM90 kernels read pages aligned to 576 bytes."""
+    SM90 kernels read pages aligned to 576 bytes, both caches in one format."""
+    from compile_ops.mla.ops import one_format_only
+
+    mixed = one_format_only("FlashMLA", args)
+    if mixed:
+        return mixed
     for name, cache in (("swa_cache", args.swa_cache), ("cmp_cache", args.cmp_cache)):
         if cache is not None and cache.shape[0] > 1 and cache.stride(0) % PAGE_ALIGN_BYTES:
             return (f"FlashMLA needs {name}'s pages {PAGE_ALIGN_BYTES}-byte aligned (stride(0) % "
@@ -148,7 +153,7 @@ def flashmla_args_unsupported(args) -> Optional[str]:
 
 def sparse_mla_flashmla(args, out, lse):
     """Fill ``out`` / ``lse`` through ``flash_mla.flash_mla_with_kvcache(..., use_legacy=True)``."""
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, _ = args
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args[:11]
     import flash_mla
 
     T, H, _ = q.shape

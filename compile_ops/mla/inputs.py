@@ -19,7 +19,10 @@ class SparseMLAArgs(NamedTuple):
     ``cmp_indices [T, K]`` int32 slots (``-1`` empty) with ``swa_lens`` / ``cmp_lens [T]``
     int32 counting each row's leading columns; ``sink [H]`` fp32 or ``None``; ``sm_scale``
     multiplies ``<q, k>``; ``kv_scale`` is the ``fp8`` format's per-tensor scale;
-    ``workspace`` is the caller's scratch (1-D uint8) or ``None`` (the backend's default).
+    ``workspace`` is the caller's scratch (1-D uint8) or ``None`` (the backend's default);
+    ``cmp_kv_format`` is the compressed cache's format when it differs from ``kv_format``
+    (DeepSeek-V4.1: ``fp8_dsv41`` window rows, ``fp4_dsv41`` compressed entries), ``None``:
+    the same.
     A backend's ``run(args, out, lse)`` fills ``out [T, H, 512]`` bf16 and ``lse [T, H]``
     fp32 (base 2); its ``limits(args)`` returns why it cannot take this call, or ``None``.
     """
@@ -36,3 +39,14 @@ class SparseMLAArgs(NamedTuple):
     kv_format: str
     kv_scale: float
     workspace: Optional[Tensor] = None
+    cmp_kv_format: Optional[str] = None
+
+    @property
+    def cmp_format(self) -> str:
+        """The compressed cache's format: ``cmp_kv_format``, else ``kv_format``."""
+        return self.cmp_kv_format or self.kv_format
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the two caches are in different formats."""
+        return self.cmp_cache is not None and self.cmp_format != self.kv_format

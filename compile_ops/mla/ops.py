@@ -23,7 +23,7 @@ from compile_ops.mla.reference import sparse_mla_reference
 def _checked(*args) -> SparseMLAArgs:
     """The op's positional arguments, validated (real and fake kernels alike)."""
     args = SparseMLAArgs(*args)
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, workspace = args
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, workspace = args[:12]
     check_tensor("q", q, torch.bfloat16, 3)
     if q.shape[2] != HEAD_DIM:
         raise ValueError(f"q must be [T, H, {HEAD_DIM}], got shape {tuple(q.shape)}")
@@ -41,7 +41,7 @@ def _checked(*args) -> SparseMLAArgs:
             f"cmp_lens={'set' if given[2] else None}"
         )
     if all(given):
-        check_cache("cmp_cache", cmp_cache, kv_format, device)
+        check_cache("cmp_cache", cmp_cache, args.cmp_format, device)
         check_tensor("cmp_indices", cmp_indices, torch.int32, 2, device)
         check_dim("cmp_indices", cmp_indices, 0, T, "q.shape[0], the token count T")
         check_tensor("cmp_lens", cmp_lens, torch.int32, 1, device)
@@ -49,6 +49,8 @@ def _checked(*args) -> SparseMLAArgs:
     if sink is not None:
         check_tensor("sink", sink, torch.float32, 1, device)
         check_dim("sink", sink, 0, H, "q.shape[1], the head count H")
+    if args.cmp_kv_format is not None:
+        get_format(args.cmp_kv_format)
     check_positive("sm_scale", sm_scale)
     check_positive("kv_scale", kv_scale)
     check_workspace(workspace, device)
@@ -86,18 +88,19 @@ def sparse_mla_out(
     out: Tensor,
     lse: Tensor,
     workspace: Optional[Tensor] = None,
+    cmp_kv_format: Optional[str] = None,
 ) -> None:
     args = _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format,
-                    kv_scale, workspace)
+                    kv_scale, workspace, cmp_kv_format)
     _check_outputs(q, out, lse)
     _run(args, out, lse)
 
 
 @sparse_mla_out.register_fake
 def _(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, out, lse,
-      workspace=None):
+      workspace=None, cmp_kv_format=None):
     _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale,
-             workspace)
+             workspace, cmp_kv_format)
     _check_outputs(q, out, lse)
 
 
@@ -114,8 +117,10 @@ def sparse_mla(
     sm_scale: float,
     kv_format: str = "bf16",
     kv_scale: float = 1.0,
+    cmp_kv_format: Optional[str] = None,
 ) -> tuple[Tensor, Tensor]:
-    args = _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+    args = _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale,
+                    None, cmp_kv_format)
     out, lse = _new_outputs(q)
     _run(args, out, lse)
     return out, lse
@@ -130,8 +135,10 @@ def _new_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @sparse_mla.register_fake
-def _(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format="bf16", kv_scale=1.0):
-    _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale)
+def _(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format="bf16", kv_scale=1.0,
+      cmp_kv_format=None):
+    _checked(q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale,
+             None, cmp_kv_format)
     return _new_outputs(q)
 
 
@@ -160,6 +167,9 @@ Args:
     kv_format: ``"bf16"``, ``"fp8"``, ``"fp8_ds_mla"``, ``"fp8_dsv41"`` or ``"fp4_dsv41"``
         (read by the reference backend only, for now).
     kv_scale: per-tensor scale of the ``"fp8"`` format (ignored by the others).
+    cmp_kv_format: the compressed cache's format when it is not ``kv_format`` (DeepSeek-V4.1:
+        ``"fp8_dsv41"`` window rows, ``"fp4_dsv41"`` compressed entries); ``None``: the same.
+        Calls of two formats run on the reference backend for now.
 
 Returns:
     ``(out [T, H, 512] bf16, lse [T, H] fp32, base 2)``.
@@ -236,6 +246,14 @@ def _triton_unavailable(device, kv_format):
     return backends.cuda_with_triton(device, kv_format) or _e2m1_unread("the tl kernel", kv_format)
 
 
+def one_format_only(kernel: str, args: SparseMLAArgs) -> Optional[str]:
+    """Why ``kernel`` (one format for both caches) refuses a call of two formats, or ``None``."""
+    if args.mixed:
+        return (f"{kernel} reads both caches in one format, got kv_format {args.kv_format!r} and cmp_kv_format "
+                f"{args.cmp_kv_format!r}: the reference backend reads two")
+    return None
+
+
 def _gluon_unavailable(device, kv_format):
     if device.type != "cuda":
         return f"the Gluon kernel runs on CUDA devices only, got {device.type}"
@@ -277,7 +295,8 @@ backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.flashmla", "sparse_mla_flashmla")},
                           limits=backends.imported("compile_ops.mla.flashmla", "flashmla_args_unsupported"))
 backends.register_backend("sparse_mla", "triton", _triton_unavailable,
-                          {"sparse_mla": backends.imported("compile_ops.mla.triton", "sparse_mla_triton")})
+                          {"sparse_mla": backends.imported("compile_ops.mla.triton", "sparse_mla_triton")},
+                          limits=lambda args: one_format_only("the tl kernel", args))
 backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.flashinfer", "sparse_mla_flashinfer")},
                           limits=backends.imported("compile_ops.mla.flashinfer", "flashinfer_args_unsupported"))

@@ -106,7 +106,13 @@ def choose_split(T, H: int, blocks, dsplit: int, num_sms: int, rows: int):
 
 def gluon_args_unsupported(args: SparseMLAArgs) -> Optional[str]:
     """The ``gluon`` backend's limits: ``None`` when the Gluon kernel can read this call's
-    tensors, else why not (it copies cache rows and q's heads 16 bytes at a time)."""
+    tensors, else why not (it copies cache rows and q's heads 16 bytes at a time, and reads
+    both caches in one format)."""
+    from compile_ops.mla.ops import one_format_only
+
+    mixed = one_format_only("the Gluon kernel", args)
+    if mixed:
+        return mixed
     for name, cache in (("swa_cache", args.swa_cache), ("cmp_cache", args.cmp_cache)):
         if cache is None:
             continue
@@ -152,7 +158,7 @@ def plan(
     block (the Gluon kernel, eager). ``n_split`` overrides the split-K count. The partials
     go to ``args.workspace``; without one, to :func:`default_workspace` (eager) or to
     buffers of this launch (traced: a compiled graph owns its buffers)."""
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, workspace = args
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, workspace = args[:12]
     T, H, _ = q.shape
     if T == 0 or H == 0:
         return None

@@ -30,12 +30,12 @@ def sparse_mla_reference(args: SparseMLAArgs, out: torch.Tensor, lse: torch.Tens
     Tokens are processed in chunks of ``TOKEN_CHUNK`` so the gathered keys stay small;
     chunk bounds come from shapes, so no host sync happens.
     """
-    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale, _ = args
+    q, swa_cache, swa_indices, swa_lens, cmp_cache, cmp_indices, cmp_lens, sink, sm_scale, kv_format, kv_scale = args[:11]
     for start in range(0, q.shape[0], TOKEN_CHUNK):
         rows = slice(start, start + TOKEN_CHUNK)
         keys, valid = _segment_keys(swa_cache, swa_indices[rows], swa_lens[rows], kv_format, kv_scale)
         if cmp_cache is not None:
-            cmp_keys, cmp_valid = _segment_keys(cmp_cache, cmp_indices[rows], cmp_lens[rows], kv_format, kv_scale)
+            cmp_keys, cmp_valid = _segment_keys(cmp_cache, cmp_indices[rows], cmp_lens[rows], args.cmp_format, kv_scale)
             keys, valid = torch.cat([keys, cmp_keys], 1), torch.cat([valid, cmp_valid], 1)
         qf = q[rows].float()
         scores = torch.einsum("thd,tnd->thn", qf, keys) * sm_scale
