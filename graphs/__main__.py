@@ -370,7 +370,7 @@ def dcp_worker(rank: int, args, store: str, out: str) -> None:
             scale = max(w.abs().max().item() for w in want)
             diff = max((g - w).abs().max().item() for g, w in zip(got, want)) / scale
             mismatched = sum(int((a != b).any(-1).sum()) for a, b in zip(got_ids, want_ids)) if ratio else 0
-            tol = cache_tolerance(cache.kv_format)
+            tol = cache_tolerance(cache.kv_format, cache.compressed_format)
             results[ratio] = {"tokens": sum(len(w) for w in want), "max_rel_diff": diff, "id_mismatches": mismatched,
                               "tolerance": tol, "graph_breaks": breaks, "cache_bytes_dcp1": held[0],
                               "cache_bytes_per_rank": held[1],

@@ -402,6 +402,7 @@ class DSV41Attention(nn.Module):
         self.n_heads, self.head_dim, self.rope_dim = H, D, cfg.rope_head_dim
         self.softmax_scale = D ** -0.5
         self.kv_format, self.kv_scale = cache.kv_format, float(cache.kv_scale)
+        self.cmp_kv_format = cache.compressed_format
         self.dcp_group, self.dcp_rank, N = _dcp_rank(cfg, cache, ratio, dcp_group)
         self.local_heads, self.local_groups = H // N, G // N
         # (dim, rows per rank) of the parameters sharded over the DCP group: q heads, wo_a's
@@ -455,7 +456,8 @@ class DSV41Attention(nn.Module):
         )
         cmp_cache = None
         if role.compresses:
-            cmp_cache = new_cache(cache.kv_format, cache.cmp_num_pages(ratio), cache.block_size(ratio), device=device)
+            cmp_cache = new_cache(cache.compressed_format, cache.cmp_num_pages(ratio), cache.block_size(ratio),
+                                  device=device)
         self.register_buffer("cmp_cache", cmp_cache, persistent=False)
         self.topk = (min(cfg.index_topk, cache.max_entries(ratio)) if cfg.has_indexer(ratio)
                      else cache.max_entries(ratio)) if ratio else 0
@@ -718,7 +720,7 @@ class DSV41Attention(nn.Module):
                 latent, _ = self.compressor.latent(xs["compressor"], rows, x.dtype)
                 group_start = pos - pos % ratio
                 entry = apply_rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
-                torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.kv_format, self.kv_scale)
+                torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.cmp_kv_format, self.kv_scale)
                 if index_cache is not None:
                     self.indexer.write_keys(xs.get("indexer.compressor"), rows, self.rope_cos, self.rope_sin, inp,
                                             latent)
@@ -760,7 +762,7 @@ class DSV41Attention(nn.Module):
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         torch.ops.dsv41.sparse_mla_out(
             q, self.swa_cache, swa_idx, swa_lens, cmp_cache, cmp_idx, cmp_lens, sink,
-            self.softmax_scale, self.kv_format, self.kv_scale, o, lse,
+            self.softmax_scale, self.kv_format, self.kv_scale, o, lse, None, self.cmp_kv_format,
         )
         if self.dcp_group is not None:
             o, _ = torch.ops.dsv41.dcp_combine(o, lse, self.dcp_group, "ag_rs")  # this rank's heads

@@ -259,10 +259,10 @@ def decode_floor_us(layer: DSV41Attention, batch: int, context: int) -> dict:
     weights, each request's index keys and attention rows (window + top-k) read once at
     the copy bandwidth."""
     c, r = layer.cache_cfg, layer.compress_ratio
-    row = get_format(c.kv_format).bytes_per_token
     entries = context // r if r else 0
     keys = batch * entries * get_index_format(c.index_format).bytes_per_token if layer.indexer is not None else 0
-    attended = batch * (layer.cfg.window_size + min(layer.topk, entries)) * row
+    attended = batch * (layer.cfg.window_size * get_format(c.kv_format).bytes_per_token
+                        + min(layer.topk, entries) * get_format(c.compressed_format).bytes_per_token)
     parts = {"weights": read_weight_bytes(layer), "index_keys": keys, "attention_rows": attended}
     return {"bytes": parts, "floor_us": sum(parts.values()) / COPY_BYTES_PER_S * 1e6}
 

@@ -187,10 +187,15 @@ class CacheConfig:
         cmp_block_size: compressed entries per page of the compressed and index-key caches
             (``None``: ``max(1, page_size // ratio)``, i.e. a page covers ``page_size``
             tokens).
-        kv_format: format of both KV caches (``compile_ops.formats``).
+        kv_format: format of the KV caches (``compile_ops.formats``): the window's, and the
+            compressed one's unless ``cmp_kv_format`` says otherwise.
         kv_scale: per-tensor scale of the ``"fp8"`` format.
         index_format: format of the indexer's paged index-key cache, ``"fp8"`` (132 B per
-            entry, e4m3 products) or ``"bf16"`` (``compile_ops.indexer.cache``).
+            entry, e4m3 products), ``"fp4"`` (68 B, DeepSeek-V4.1's) or ``"bf16"``
+            (``compile_ops.indexer.cache``).
+        cmp_kv_format: format of the compressed cache when it is not ``kv_format``
+            (DeepSeek-V4.1: ``"fp4_dsv41"`` entries beside an ``"fp8_dsv41"`` window; attention
+            over two formats runs on ``sparse_mla``'s reference backend for now); ``None``: the same.
         max_rewind: how far a step may go back into positions its request already wrote
             (rejected draft tokens): a step of a request may start at any position from
             ``high + 1 - max_rewind`` to ``length``, where ``high`` is the highest position
@@ -221,6 +226,7 @@ class CacheConfig:
     cmp_pages: int | None = None
     dcp_world: int = 1
     dcp_interleave: int = 1
+    cmp_kv_format: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_requests", "max_tokens", "max_seq_len", "page_size"):
@@ -232,7 +238,13 @@ class CacheConfig:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         get_format(self.kv_format)
+        get_format(self.compressed_format)
         get_index_format(self.index_format)
+
+    @property
+    def compressed_format(self) -> str:
+        """The compressed cache's format: ``cmp_kv_format``, else ``kv_format``."""
+        return self.cmp_kv_format or self.kv_format
 
     def block_size(self, ratio: int) -> int:
         """Compressed entries per page for compress ratio ``ratio``."""

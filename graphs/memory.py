@@ -45,8 +45,8 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int,
 
     * ``swa_cache``: ``swa_pages * page_size * bytes_per_token(kv_format)``, the pool
       (default ``CacheConfig.default_swa_pages``: every row's window plus one step)
-    * ``cmp_cache``: ``cmp_pages * block_size * bytes_per_token(kv_format)``
-    * ``index_cache``: ``cmp_pages * block_size * (132 fp8 | 256 bf16)``
+    * ``cmp_cache``: ``cmp_pages * block_size * bytes_per_token(compressed_format)``
+    * ``index_cache``: ``cmp_pages * block_size * (132 fp8 | 68 fp4 | 256 bf16)``
     * ``compressor_state``: the compressors' ``(R + 1)``-row fp32 state rings (main and indexer)
     * ``compressor_split``: the compressors' projections in bf16 (fp32 weights: as bf16
       high and low parts, twice the bytes)
@@ -63,7 +63,7 @@ def buffer_bytes(cfg: AttentionConfig, cache: CacheConfig, ratio: int,
     topk = 0
     if compresses:
         entries = cache.cmp_num_pages(ratio) * cache.block_size(ratio)
-        out["cmp_cache"] = entries * kv
+        out["cmp_cache"] = entries * get_format(cache.compressed_format).bytes_per_token
         out["compressor_state"] = _compressor_state(cfg, cache, ratio, cfg.head_dim)
         out["compressor_split"] = _compressor_split(cfg, ratio, cfg.head_dim, bf16_compressors)
         if cfg.has_indexer(ratio):

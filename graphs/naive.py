@@ -69,10 +69,9 @@ def _rope(x: Tensor, positions: Tensor, layer: DSV41Attention, inverse: bool = F
     return torch.cat([x[..., :-rd], rotated], dim=-1)
 
 
-def _stored(rows: Tensor, layer: DSV41Attention) -> Tensor:
-    """``rows`` as the caches hold them: rounded to ``kv_format`` and read back (fp32)."""
-    c = layer.cache_cfg
-    return decode_rows(encode_rows(rows, c.kv_format, c.kv_scale), c.kv_format, c.kv_scale)
+def _stored(rows: Tensor, layer: DSV41Attention, kv_format: str) -> Tensor:
+    """``rows`` as a cache of ``kv_format`` holds them: rounded and read back (fp32)."""
+    return decode_rows(encode_rows(rows, kv_format, layer.kv_scale), kv_format, layer.kv_scale)
 
 
 def naive_entries(compressor, layer: DSV41Attention, xs: Tensor, rope: bool = True) -> Tensor:
@@ -159,9 +158,11 @@ def naive_outputs(layer: DSV41Attention, xs: Tensor, chosen: Optional[Sequence[S
     if not cfg.v41:  # V4 normalises each head of q; V4.1 does not
         q = _rms(q, None, cfg.norm_eps)
     q = _rope(q, pos, layer)
-    kv = _stored(_rope(_rms(_linear(xs, layer.wkv), layer.kv_norm.weight, cfg.norm_eps), pos, layer), layer)
+    kv = _stored(_rope(_rms(_linear(xs, layer.wkv), layer.kv_norm.weight, cfg.norm_eps), pos, layer), layer,
+                 layer.kv_format)
     if r:
-        entries = _stored(naive_entries(layer.compressor, layer, xs) if entries is None else entries, layer)
+        entries = _stored(naive_entries(layer.compressor, layer, xs) if entries is None else entries, layer,
+                          layer.cmp_kv_format)
     if r and chosen is None:
         if layer.indexer is not None:
             scores = naive_index_scores(layer, xs)
@@ -196,12 +197,12 @@ FP8_CACHE_REL_TOL = 4e-2
 FP4_CACHE_REL_TOL = 0.15
 
 
-def cache_tolerance(kv_format: str) -> float:
-    """The output tolerance of a layer with ``kv_format`` caches: :data:`REL_TOL` (bf16),
-    :data:`FP4_CACHE_REL_TOL` (fp4) or :data:`FP8_CACHE_REL_TOL` (the fp8 formats)."""
-    if kv_format == "bf16":
+def cache_tolerance(*kv_formats: str) -> float:
+    """The output tolerance of a layer with caches of ``kv_formats``: :data:`REL_TOL` (all
+    bf16), :data:`FP4_CACHE_REL_TOL` (any fp4) or :data:`FP8_CACHE_REL_TOL` (fp8 ones)."""
+    if all(f == "bf16" for f in kv_formats):
         return REL_TOL
-    return FP4_CACHE_REL_TOL if get_format(kv_format).fp4 else FP8_CACHE_REL_TOL
+    return FP4_CACHE_REL_TOL if any(get_format(f).fp4 for f in kv_formats) else FP8_CACHE_REL_TOL
 # An index score of the layer is off by at most this much of its magnitude bound
 # (naive_index_scores(magnitude=True)): e4m3 q and keys, 2**-4 each, plus the bf16
 # rotation, 2**-8 each (fp8); the bf16 rotation and keys (bf16); fp4: a value is off by
@@ -264,7 +265,7 @@ def oracle_verdict(layer: DSV41Attention, xs: Sequence[Tensor], outs: Sequence[T
             if ok and left_out:
                 ok = bool((scores[p, left_out] - bound[p, left_out]).max() <= (scores[p, ids] + bound[p, ids]).min())
             errors += not ok
-    return OracleVerdict(tokens, worst, errors, cache_tolerance(layer.kv_format))
+    return OracleVerdict(tokens, worst, errors, cache_tolerance(layer.kv_format, layer.cmp_kv_format))
 
 
 def _visible(S: int, ratio: int, device) -> Tensor:
@@ -456,7 +457,7 @@ def stack_verdict(stack, xs: Sequence[Tensor], outs: Sequence[Tensor], topk: dic
             n_blocks, size = src.indexer.n_blocks, src.indexer.block
             for p, bs in enumerate(blocks):
                 cand_errors += not _candidates_ok(bs, scores[p], bound[p], n_blocks, size)
-    tol = REL_TOL if stack.cache_cfg.kv_format == "bf16" else FP8_CACHE_REL_TOL
+    tol = cache_tolerance(stack.cache_cfg.kv_format, stack.cache_cfg.compressed_format)
     return StackVerdict(tokens, worst, errors, cand_errors, tol, per_layer)
 
 

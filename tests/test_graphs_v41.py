@@ -48,11 +48,16 @@ def test_the_parameters_are_v41s(ratio, params):
 
 
 @pytest.mark.parametrize("kv_format, index_format", [("bf16", "fp8"), ("fp8_dsv41", "bf16"), ("fp8_dsv41", "fp4"),
-                                                     ("fp4_dsv41", "fp4")])
+                                                     ("fp8_dsv41+fp4_dsv41", "fp4")])
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_mixed_steps_match_the_v41_oracle(ratio, kv_format, index_format):
-    layer = DSV41Attention(TINY_V41, CacheConfig(4, 16, 64, 4, kv_format=kv_format, index_format=index_format), ratio,
-                           seed=ratio)
+    """The layer against the V4.1 oracle with each cache in its format; the last case is
+    DeepSeek-V4.1's own: an fp8 window, fp4 compressed entries and fp4 index keys."""
+    window, _, compressed = kv_format.partition("+")
+    cache = CacheConfig(4, 16, 64, 4, kv_format=window, index_format=index_format, cmp_kv_format=compressed or None)
+    layer = DSV41Attention(TINY_V41, cache, ratio, seed=ratio)
+    if compressed:
+        assert layer.cmp_cache.shape[-1] == 288 and layer.swa_cache.shape[-1] == 528
     xs, outs, topk = serve(layer)
     verdict = oracle_verdict(layer, xs, outs, topk)
     assert verdict.passed, verdict.verdict()
