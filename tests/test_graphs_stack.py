@@ -207,3 +207,21 @@ def test_a_v41_checkpoint_loads_into_the_stack_strictly(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match="layers.2.attn_norm.weight"):
         DSV41Stack.from_checkpoint(tmp_path, CACHE)
+
+
+def test_v41_cache_formats_hold_890_bytes_per_token():
+    """DeepSeek-V4.1's formats (fp8_dsv41 window, fp4_dsv41 compressed entries, fp4 index
+    keys): the tiny stack's buffers are the formula's, and by it the V4.1-Flash stack holds
+    890 bytes of global cache per token of context (3 ratio-2 sources at (288 + 68) / 2,
+    layer 20's ratio 1 at 288 + 68), the window's pool the same at any context."""
+    from graphs import V41_FLASH, V41_FLASH_PLAN
+    from graphs.memory import stack_buffer_bytes
+
+    v41 = dict(kv_format="fp8_dsv41", cmp_kv_format="fp4_dsv41", index_format="fp4")
+    stack = DSV41Stack(TINY_V41, replace(CACHE, **v41), PLAN)
+    want = stack_buffer_bytes(TINY_V41, replace(CACHE, **v41), PLAN)
+    assert want["per_layer"] == {i: sum(b.numel() * b.element_size() for b in l.buffers()) for i, l in stack.layers.items()}
+    assert stack.layers[1].cmp_cache.shape[-1] == 288 and stack.layers[1].indexer.index_cache.shape[-1] == 68
+    a, b = (stack_buffer_bytes(V41_FLASH, CacheConfig(1, 64, seq, 64, **v41), V41_FLASH_PLAN) for seq in (1 << 16, 1 << 17))
+    assert (b["cmp_cache"] + b["index_cache"] - a["cmp_cache"] - a["index_cache"]) / (1 << 16) == 890
+    assert a["swa_cache"] == b["swa_cache"]
