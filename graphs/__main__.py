@@ -43,6 +43,7 @@ import torch
 import compile_ops
 from compile_ops._cli import description
 from compile_ops.formats import KV_FORMATS
+from compile_ops.indexer.cache import INDEX_FORMATS
 from graphs import DEFAULT_BUCKETS, PRESETS, TINY, V41_FLASH, CacheConfig, DSV41Attention, StepRunner, buffer_bytes
 from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
                           time_large_steps, time_page_planning, time_prefill, time_replay, read_weight_bytes, weight_bytes)
@@ -74,6 +75,11 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--drafts", type=int, default=3, help="draft tokens per multi-token step (default: 3)")
     p.add_argument("--kv-format", choices=sorted(KV_FORMATS),
                    help="cache format (default: fp8_dsv41 on GPU, bf16 on CPU)")
+    p.add_argument("--cmp-kv-format", choices=sorted(KV_FORMATS),
+                   help="the compressed cache's format when not --kv-format's (DeepSeek-V4.1: fp4_dsv41; attention over "
+                        "two formats runs on sparse_mla's reference backend) (default: --kv-format)")
+    p.add_argument("--index-format", choices=sorted(INDEX_FORMATS), default="fp8",
+                   help="the index-key cache's format (DeepSeek-V4.1: fp4) (default: fp8)")
     p.add_argument("--backend", default="auto",
                    help="backend of every op family (sparse_mla, slots, combine, kv, indexer, linear): auto, "
                         "reference or triton; a backend only some families have (gluon, flashmla, flashinfer, "
@@ -130,14 +136,15 @@ def geometry(args, ratio):
     if args.weights == "fp8" and cfg.o_lora_rank % 128:
         cfg = dataclasses.replace(cfg, o_lora_rank=128)  # the grouped wo_a in whole 128-row scale blocks
     rewind = max(args.drafts, 1)
+    formats = dict(cmp_kv_format=args.cmp_kv_format, index_format=args.index_format)
     if cuda:
         cache = CacheConfig(max_requests=256, max_tokens=8192, max_seq_len=LONG + 8192, page_size=64,
-                            kv_format=args.kv_format, max_rewind=rewind)
+                            kv_format=args.kv_format, max_rewind=rewind, **formats)
         return cfg, cache, list(DEFAULT_BUCKETS)
     # the CPU layer: long enough for a few compressed entries at every ratio it can run
     longest = max(CPU_PROMPTS) + args.decode + 1
     cache = CacheConfig(max_requests=4, max_tokens=16, max_seq_len=max(longest, 2 * ratio + longest), page_size=4,
-                        kv_format=args.kv_format, max_rewind=rewind)
+                        kv_format=args.kv_format, max_rewind=rewind, **formats)
     return cfg, cache, [1, 2, 4, 8, 16]
 
 
@@ -165,8 +172,8 @@ def run_layer(args, ratio, deadline) -> dict:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated(device)
     layer = DSV41Attention(cfg, cache, ratio, device=device, weights=args.weights)
-    info = {"config": cfg.name, "ratio": ratio, "kv_format": cache.kv_format, "weights": args.weights,
-            "buckets": buckets}
+    info = {"config": cfg.name, "ratio": ratio, "kv_format": cache.kv_format, "cmp_kv_format": cache.compressed_format,
+            "index_format": cache.index_format, "weights": args.weights, "buckets": buckets}
     if cuda:
         torch.cuda.synchronize()
         formula = buffer_bytes(cfg, cache, ratio)
@@ -268,7 +275,8 @@ def time_gpu(args, runner: StepRunner, info: dict, start: float, deadline: float
 
 
 def report(info: dict) -> None:
-    print(f"\n== {info['config']} layer, compress_ratio={info['ratio']}, kv_format={info['kv_format']} ==")
+    print(f"\n== {info['config']} layer, compress_ratio={info['ratio']}, kv_format={info['kv_format']}, "
+          f"cmp_kv_format={info['cmp_kv_format']}, index_format={info['index_format']} ==")
     print(f"graph breaks: {info['graph_breaks']}   dynamo graphs: {info['dynamo_graphs']}   "
           f"CUDA graphs captured: {info['cuda_graphs_captured']} (buckets {info['buckets']})   "
           f"compile+capture: {info['compile_and_capture_s']} s   backends: {info['backends']}")

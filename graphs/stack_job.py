@@ -47,16 +47,18 @@ BATCHES = (1, 64, 256)
 CONTEXT = 1024
 
 
-def build(device, kv_format: str, every_layer: bool = False, weights: str = "bf16"):
+def build(device, kv_format: str, every_layer: bool = False, weights: str = "bf16", **formats):
     """``(stack, buckets, kinds)`` of the job on ``device`` (``every_layer``: V4.1-Flash's 40
-    layers, not the slice; ``weights``: ``"bf16"`` or ``"fp8"``, V4.1's 32 x 32 blocks)."""
+    layers, not the slice; ``weights``: ``"bf16"`` or ``"fp8"``, V4.1's 32 x 32 blocks;
+    ``formats``: the other caches' ``CacheConfig`` formats, ``cmp_kv_format`` and
+    ``index_format``)."""
     if device.type == "cuda":
         cache = CacheConfig(max_requests=256, max_tokens=512, max_seq_len=2048, page_size=64, kv_format=kv_format,
-                            max_rewind=3)
+                            max_rewind=3, **formats)
         ids = list(range(40)) if every_layer else [layer_id for layer_id, _ in FLASH_KINDS.values()]
         stack = DSV41Stack(V41_FLASH, cache, V41_FLASH_PLAN, ids, device, record_inputs=True, weights=weights)
         return stack, [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], FLASH_KINDS
-    cache = CacheConfig(4, 16, 64, 4, kv_format=kv_format, max_rewind=3)
+    cache = CacheConfig(4, 16, 64, 4, kv_format=kv_format, max_rewind=3, **formats)
     # (the grouped FP8 wo_a needs whole 128-row scale blocks per group)
     cfg = replace(TINY_V41, o_lora_rank=128, weight_block=32) if weights == "fp8" else TINY_V41
     return DSV41Stack(cfg, cache, TINY_PLAN, record_inputs=True, weights=weights), [1, 4, 16], TINY_KINDS
@@ -144,7 +146,8 @@ def run_stack(args) -> dict:
     def say(what):
         print(f"  [stack, {time.perf_counter() - start:5.1f} s] {what}", flush=True)
 
-    stack, buckets, kinds = build(device, args.kv_format, args.stack == "all", args.weights)
+    stack, buckets, kinds = build(device, args.kv_format, args.stack == "all", args.weights,
+                                  cmp_kv_format=args.cmp_kv_format, index_format=args.index_format)
     say(f"built {stack.extra_repr()}")
     memory = stack_buffer_bytes(stack.cfg, stack.cache_cfg, stack.plan, stack.layer_ids, record_inputs=True)
     held = sum(b.numel() * b.element_size() for b in stack.buffers())
