@@ -31,8 +31,8 @@ check them): ``bf16`` is exact for bf16 input (``2**-8 * |x|`` for fp32 input); 
 ``2**-4 * |x| + 2**-10 * kv_scale`` while ``|x| <= 448 * kv_scale`` (saturates beyond);
 ``fp8_ds_mla`` / ``fp8_dsv41``: ``2**-4 * |x| + 2**-10 * s`` with ``s`` the block's scale
 (``s < 2 * max(amax, 1e-4) / 448``), and ``fp8_ds_mla``'s RoPE dims are bf16 (``2**-8 * |x|``);
-``fp4_dsv41``: ``2**-2 * |x| + 2**-2 * s`` while the block's ``amax >= 6 * 2**-6`` (a normal
-e4m3 scale).
+``fp4_dsv41``: ``2**-2 * |x| + 2**-2 * s`` while the block's ``6 * 2**-6 <= amax <= 6 * 448``
+(a normal e4m3 scale, not saturated).
 """
 
 from __future__ import annotations

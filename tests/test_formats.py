@@ -49,7 +49,8 @@ def test_round_trip_within_documented_bound(kv_format, num_pages, page_size, pag
     n = min(num_pages * page_size, 40)
     kv = torch.randn(n, 512, generator=gen) * magnitude
     kv[:, :32] *= 1e-3  # blocks of tiny values next to large ones
-    if kv_format == "fp4_dsv41":  # the stated bound holds while a block's e4m3 scale is normal
+    if kv_format == "fp4_dsv41":  # the stated bound holds while a block's e4m3 scale is normal, not saturated
+        kv = kv.clamp(-6 * 448, 6 * 448)
         kv = torch.where(kv.unflatten(1, (32, 16)).abs().amax(2, keepdim=True) < 6 * 2.0**-6, 0.0,
                          kv.unflatten(1, (32, 16))).flatten(1)
     kv_scale = magnitude / 50 if kv_format == "fp8" else 1.0  # no saturation below 22 sigma
