@@ -69,6 +69,6 @@ def worker(rank, world, store_path, index_format, interleave):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("interleave", [1, 4], ids=["I=1", "I=4"])
-@pytest.mark.parametrize("index_format", ["bf16", "fp8"])
+@pytest.mark.parametrize("index_format", ["bf16", "fp8", "fp4"])
 def test_dcp_indexer_equals_single_rank(tmp_path, index_format, interleave, world):
     mp.spawn(worker, args=(world, str(tmp_path / "store"), index_format, interleave), nprocs=world)
