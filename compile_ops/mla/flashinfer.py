@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from compile_ops.formats import HEAD_DIM, num_slots, read_kv
+from compile_ops.mla.inputs import one_format_only
 
 LOG2E = 1.0 / math.log(2.0)
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -128,8 +129,6 @@ def flashinfer_args_unsupported(args) -> Optional[str]:
     """The ``flashinfer`` backend's limits on one call's ``sparse_mla`` arguments: the SWA
     width its kernels take (SM100: at most 128 columns; SM120: at most 1024) and the size of
     a caller's workspace; both caches in one format."""
-    from compile_ops.mla.ops import one_format_only
-
     mixed = one_format_only("FlashInfer", args)
     if mixed:
         return mixed

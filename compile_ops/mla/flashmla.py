@@ -35,6 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from compile_ops.mla.inputs import one_format_only
+
 FLASHMLA_HEADS = (64, 128)
 INDEX_BLOCK = 64
 PAGE_ALIGN_BYTES = 576
@@ -138,8 +140,6 @@ def write_outputs(fm_out, fm_lse, sink, out, lse, h0: int, n_heads: int) -> None
 def flashmla_args_unsupported(args) -> Optional[str]:
     """The ``flashmla`` backend's limits on one call's ``sparse_mla`` arguments: FlashMLA's
     SM90 kernels read pages aligned to 576 bytes, both caches in one format."""
-    from compile_ops.mla.ops import one_format_only
-
     mixed = one_format_only("FlashMLA", args)
     if mixed:
         return mixed

@@ -50,3 +50,11 @@ class SparseMLAArgs(NamedTuple):
     def mixed(self) -> bool:
         """Whether the two caches are in different formats."""
         return self.cmp_cache is not None and self.cmp_format != self.kv_format
+
+
+def one_format_only(kernel: str, args: SparseMLAArgs) -> Optional[str]:
+    """Why ``kernel`` (one format for both caches) refuses a call of two formats, or ``None``."""
+    if args.mixed:
+        return (f"{kernel} reads both caches in one format, got kv_format {args.kv_format!r} and cmp_kv_format "
+                f"{args.cmp_kv_format!r}: the reference backend reads two")
+    return None

@@ -15,7 +15,7 @@ from compile_ops import backends
 from compile_ops._compat import omittable_mutated_args
 from compile_ops._checks import check_dim, check_positive, check_tensor
 from compile_ops.formats import HEAD_DIM, check_cache, get_format
-from compile_ops.mla.inputs import SparseMLAArgs
+from compile_ops.mla.inputs import SparseMLAArgs, one_format_only
 from compile_ops.mla.plan import check_workspace, workspace_bytes
 from compile_ops.mla.reference import sparse_mla_reference
 
@@ -244,14 +244,6 @@ def _e2m1_unread(kernel: str, kv_format) -> Optional[str]:
 
 def _triton_unavailable(device, kv_format):
     return backends.cuda_with_triton(device, kv_format) or _e2m1_unread("the tl kernel", kv_format)
-
-
-def one_format_only(kernel: str, args: SparseMLAArgs) -> Optional[str]:
-    """Why ``kernel`` (one format for both caches) refuses a call of two formats, or ``None``."""
-    if args.mixed:
-        return (f"{kernel} reads both caches in one format, got kv_format {args.kv_format!r} and cmp_kv_format "
-                f"{args.cmp_kv_format!r}: the reference backend reads two")
-    return None
 
 
 def _gluon_unavailable(device, kv_format):

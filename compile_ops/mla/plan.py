@@ -21,7 +21,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from compile_ops._checks import check_tensor
 from compile_ops.formats import HEAD_DIM, LOG2E, KVFormat, get_format, num_slots
-from compile_ops.mla.inputs import SparseMLAArgs
+from compile_ops.mla.inputs import SparseMLAArgs, one_format_only
 
 # sizes, strides and counts that change from call to call: specializing on them (== 1,
 # divisible by 16) would recompile the attention kernels
@@ -108,8 +108,6 @@ def gluon_args_unsupported(args: SparseMLAArgs) -> Optional[str]:
     """The ``gluon`` backend's limits: ``None`` when the Gluon kernel can read this call's
     tensors, else why not (it copies cache rows and q's heads 16 bytes at a time, and reads
     both caches in one format)."""
-    from compile_ops.mla.ops import one_format_only
-
     mixed = one_format_only("the Gluon kernel", args)
     if mixed:
         return mixed
