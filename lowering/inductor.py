@@ -114,9 +114,6 @@ def inlines(op: CustomOpDef, *args: Any, **kwargs: Any) -> bool:
             return False
     except ValueError:  # no usable backend: the op itself raises the reason when it runs
         return False
-    cmp_format = bound.arguments.get("cmp_kv_format")
-    if cmp_format is not None and cmp_format != kv_format:  # two formats: the tl kernel reads one
-        return False
     if op in INDEXER_OPS:
         if not torch._inductor.config.cpp_wrapper:  # AOTInductor's C++ wrapper only (see the module doc)
             return False

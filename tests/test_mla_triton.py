@@ -27,7 +27,8 @@ from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.reference import sparse_mla_reference
 from helpers import make_cache, make_indices
 
-FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41"]
+FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41"]
+V41 = ("fp8_dsv41", "fp4_dsv41")  # DeepSeek-V4.1's window rows and compressed entries
 # GPU tests run each kernel through its backend's entry point, bypassing the op's dispatch
 KERNELS = ["triton", "gluon"]
 
@@ -51,13 +52,16 @@ def needs(backend):
 
 
 def make_case(kv_format, T, H, W, K, page_size, *, sink="finite", page_gap=0, device="cpu", seed=0, pool_pages=None):
+    """A call's positional arguments; ``kv_format`` a pair ``(window's, compressed cache's)``
+    for a call of two formats."""
+    kv_format, cmp_format = kv_format if isinstance(kv_format, tuple) else (kv_format, None)
     gen = torch.Generator(device=device).manual_seed(seed)
     kv_scale = 0.37 if kv_format == "fp8" else 1.0
     swa = make_cache(kv_format, pool_pages or 3, page_size, page_gap, kv_scale, device, gen)
     swa_idx, swa_lens = make_indices(T, W, num_slots(swa), device, gen)
     cmp = (None, None, None)
     if K is not None:
-        c = make_cache(kv_format, pool_pages or 4, page_size, 0, kv_scale, device, gen)
+        c = make_cache(cmp_format or kv_format, pool_pages or 4, page_size, 0, kv_scale, device, gen)
         cmp = (c, *make_indices(T, K, num_slots(c), device, gen))
     q = torch.randn(T, H, 512, generator=gen, device=device).to(torch.bfloat16)
     sinks = {
@@ -66,7 +70,8 @@ def make_case(kv_format, T, H, W, K, page_size, *, sink="finite", page_gap=0, de
         "finite": torch.randn(H, generator=gen, device=device) * 2,
     }
     sm_scale = 512**-0.5
-    return (q, swa, swa_idx, swa_lens, *cmp, sinks[sink], sm_scale, kv_format, kv_scale)
+    args = (q, swa, swa_idx, swa_lens, *cmp, sinks[sink], sm_scale, kv_format, kv_scale)
+    return args + (None, cmp_format) if cmp_format else args
 
 
 def run_both(args, kernel="triton", **kw):
@@ -111,24 +116,31 @@ def check(args, **kw):
 
 
 def check_every_byte(kv_format, H, device, kernel="triton"):
-    """Every e4m3 byte but the two NaNs (subnormals included), under UE8M0 scales from
-    2^-117 to 2^118, dequantizes exactly: with q = 0 and one entry per token, each token's
-    output is its key row, bit for bit (64 tokens, one page of 64 rows)."""
+    """Every value byte under a range of scales dequantizes exactly: with q = 0 and one entry
+    per token, each token's output is its key row, bit for bit (64 tokens, one page of 64
+    rows). e4m3 formats: every byte but the two NaNs (subnormals included) under UE8M0
+    scales from 2^-117 to 2^118; ``fp4_dsv41``: every byte (two e2m1 codes, both signs)
+    under e4m3 scales from the smallest subnormal to 448."""
     fmt, page = get_format(kv_format), 64
     cache = new_cache(kv_format, 1, page, device=device)
     raw = cache.view(torch.uint8).view(-1)
     r = torch.arange(page, device=device)[:, None]
-    values = (torch.arange(fmt.nope, device=device) + 32 * (r % 8)) % 256  # 8 rows: all 256 in every column
-    values[(values == 0x7F) | (values == 0xFF)] = 0
+    values = (torch.arange(fmt.nope // 2 if fmt.fp4 else fmt.nope, device=device) + 32 * (r % 8)) % 256  # 8 rows: all 256 in every column
+    if not fmt.fp4:
+        values[(values == 0x7F) | (values == 0xFF)] = 0
     data = raw[: page * fmt.data_bytes].view(page, fmt.data_bytes)
-    data[:, : fmt.nope] = values.to(torch.uint8)
-    if fmt.nope < 512:  # fp8_ds_mla's bf16 RoPE columns
+    data[:, : values.shape[1]] = values.to(torch.uint8)
+    if fmt.bf16_rope:  # fp8_ds_mla's bf16 RoPE columns
         rope = torch.randn(page, 512 - fmt.nope, device=device).to(torch.bfloat16)
         data[:, fmt.nope :] = rope.view(torch.uint8)
     if fmt.scale_bytes:
-        exponent = torch.tensor([10, 64, 120, 127, 134, 135, 180, 245], device=device).repeat_interleave(8)
+        if fmt.fp4:  # e4m3: 2^-9 (subnormal), 2^-7 * 1.5, 2^-6 (smallest normal), 1, 1.125, 13, 240, 448
+            scale = [0x01, 0x0C, 0x08, 0x38, 0x39, 0x55, 0x77, 0x7E]
+        else:
+            scale = [10, 64, 120, 127, 134, 135, 180, 245]
+        scale = torch.tensor(scale, device=device).repeat_interleave(8)
         scales = raw[page * fmt.data_bytes :].view(page, fmt.scale_bytes)
-        scales[:, : fmt.nope // fmt.block] = exponent[:, None].to(torch.uint8)
+        scales[:, : fmt.nope // fmt.block] = scale[:, None].to(torch.uint8)
     q = torch.zeros(page, H, 512, dtype=torch.bfloat16, device=device)
     idx = r.to(torch.int32)
     lens = torch.ones(page, dtype=torch.int32, device=device)
@@ -154,13 +166,18 @@ CPU_CASES = [
     ("fp8_dsv41", 2, 16, 33, None, 2, "none", 0, 1, SPLIT2),
     ("fp8", 1, 1, 5, 5, 1, "finite", 0, 1, SPLIT2),
     ("bf16", 1, 2, 8, 200, 16, "finite", 0, 40, None),  # 40 partials, most empty: the merge sums four chunks of 16
+    ("fp4_dsv41", 2, 5, 20, 90, 16, "finite", 3, None, None),
+    ("fp4_dsv41", 3, 4, 9, 40, 64, "none", 0, 2, SPLIT2),
+    (V41, 3, 6, 70, 100, 64, "finite", 5, None, None),  # window and entries in their own formats
+    (V41, 2, 4, 40, 70, 16, "-inf", 0, 3, SPLIT2),  # splits that straddle the two segments
+    (("fp8_ds_mla", "fp4_dsv41"), 2, 3, 10, 40, 4, "finite", 0, 2, None),
 ]
 
 
 @pytest.mark.parametrize(
     "kv_format,T,H,W,K,page_size,sink,page_gap,n_split,config",
     CPU_CASES,
-    ids=[f"{c[0]}-T{c[1]}-H{c[2]}-W{c[3]}-K{c[4]}-p{c[5]}-{c[6]}-gap{c[7]}-s{c[8]}-{'ds2' if c[9] else 'ds1'}" for c in CPU_CASES],
+    ids=[f"{'+'.join(c[0]) if isinstance(c[0], tuple) else c[0]}-T{c[1]}-H{c[2]}-W{c[3]}-K{c[4]}-p{c[5]}-{c[6]}-gap{c[7]}-s{c[8]}-{'ds2' if c[9] else 'ds1'}" for c in CPU_CASES],
 )
 def test_interpreter_matches_reference(kv_format, T, H, W, K, page_size, sink, page_gap, n_split, config):
     args = make_case(kv_format, T, H, W, K, page_size, sink=sink, page_gap=page_gap, seed=T * 7 + H)
@@ -180,7 +197,7 @@ def test_interpreter_empty_rows():
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
-@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla", "fp8_dsv41"])
+@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41"])
 def test_interpreter_dequantizes_every_byte_exactly(kv_format):
     check_every_byte(kv_format, 1, "cpu")
 
@@ -305,7 +322,7 @@ def test_gpu_full_segments(kv_format, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla", "fp8_dsv41"])
+@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41"])
 def test_gpu_dequantizes_every_byte_exactly(kv_format, backend):
     """:func:`check_every_byte` on the GPU, 64 heads, both kernels."""
     needs(backend)

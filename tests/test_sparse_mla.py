@@ -107,8 +107,8 @@ def test_two_cache_formats_match_the_oracle(c, cmp_kv_format):
 
 def test_two_formats_name_the_compressed_cache_when_it_is_not_in_its_format():
     """A compressed cache whose rows are not ``cmp_kv_format``'s, or an unknown
-    ``cmp_kv_format``, is a ValueError naming the argument; the tl kernel (one format for
-    both caches) refuses a call of two and says where it goes."""
+    ``cmp_kv_format``, is a ValueError naming the argument; the tl kernel reads V4.1's two
+    formats, and refuses a pair with ``bf16`` or ``fp8`` rows, saying where it goes."""
     from compile_ops import backends
     from compile_ops.mla.inputs import SparseMLAArgs
 
@@ -122,8 +122,12 @@ def test_two_formats_name_the_compressed_cache_when_it_is_not_in_its_format():
         compile_ops.sparse_mla(*call[:4], entries, *call[5:], "fp4")
     args = SparseMLAArgs(*call[:4], entries, *call[5:], None, "fp4_dsv41")
     _, limits, _ = backends._check_family("sparse_mla")["triton"]
-    assert "the reference backend reads two" in limits(args)
+    assert limits(args) is None
     assert limits(args._replace(cmp_kv_format=None, cmp_cache=window)) is None
+    bf16 = new_cache("bf16", 1, 4)
+    assert "the reference backend reads them" in limits(args._replace(cmp_cache=bf16, cmp_kv_format="bf16"))
+    fp8 = new_cache("fp8", 1, 4)
+    assert "per-block scales" in limits(args._replace(swa_cache=fp8, kv_format="fp8"))
 
 
 @pytest.mark.parametrize("sink", [None, -math.inf, 0.7], ids=["no-sink", "sink=-inf", "sink=0.7"])

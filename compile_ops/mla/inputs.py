@@ -10,6 +10,8 @@ from typing import NamedTuple, Optional
 
 from torch import Tensor
 
+from compile_ops.formats import get_format
+
 
 class SparseMLAArgs(NamedTuple):
     """A validated ``sparse_mla`` call, its positional arguments in the op's order.
@@ -57,4 +59,16 @@ def one_format_only(kernel: str, args: SparseMLAArgs) -> Optional[str]:
     if args.mixed:
         return (f"{kernel} reads both caches in one format, got kv_format {args.kv_format!r} and cmp_kv_format "
                 f"{args.cmp_kv_format!r}: the reference backend reads two")
+    return None
+
+
+def two_formats_unread(kernel: str, args: SparseMLAArgs) -> Optional[str]:
+    """Why ``kernel`` refuses this call of two formats, or ``None``. The Triton and Gluon
+    kernels read two formats when both are byte rows with per-block scales (``fp8_ds_mla``,
+    ``fp8_dsv41``, ``fp4_dsv41``): ``fp8``'s per-tensor ``kv_scale`` is folded into every
+    score, and ``bf16`` rows are another element type."""
+    if args.mixed and any(get_format(f).block == 0 for f in (args.kv_format, args.cmp_format)):
+        return (f"{kernel} reads two cache formats when both have per-block scales (fp8_ds_mla, fp8_dsv41, "
+                f"fp4_dsv41), got kv_format {args.kv_format!r} and cmp_kv_format {args.cmp_kv_format!r}: "
+                "the reference backend reads them")
     return None

@@ -15,7 +15,7 @@ from compile_ops import backends
 from compile_ops._compat import omittable_mutated_args
 from compile_ops._checks import check_dim, check_positive, check_tensor
 from compile_ops.formats import HEAD_DIM, check_cache, get_format
-from compile_ops.mla.inputs import SparseMLAArgs, one_format_only
+from compile_ops.mla.inputs import SparseMLAArgs, two_formats_unread
 from compile_ops.mla.plan import check_workspace, workspace_bytes
 from compile_ops.mla.reference import sparse_mla_reference
 
@@ -243,7 +243,7 @@ def _e2m1_unread(kernel: str, kv_format) -> Optional[str]:
 
 
 def _triton_unavailable(device, kv_format):
-    return backends.cuda_with_triton(device, kv_format) or _e2m1_unread("the tl kernel", kv_format)
+    return backends.cuda_with_triton(device, kv_format)
 
 
 def _gluon_unavailable(device, kv_format):
@@ -288,7 +288,7 @@ backends.register_backend("sparse_mla", "flashmla", _flashmla_unavailable,
                           limits=backends.imported("compile_ops.mla.flashmla", "flashmla_args_unsupported"))
 backends.register_backend("sparse_mla", "triton", _triton_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.triton", "sparse_mla_triton")},
-                          limits=lambda args: one_format_only("the tl kernel", args))
+                          limits=lambda args: two_formats_unread("the tl kernel", args))
 backends.register_backend("sparse_mla", "flashinfer", _flashinfer_unavailable,
                           {"sparse_mla": backends.imported("compile_ops.mla.flashinfer", "sparse_mla_flashinfer")},
                           limits=backends.imported("compile_ops.mla.flashinfer", "flashinfer_args_unsupported"))

@@ -127,12 +127,13 @@ def gluon_args_unsupported(args: SparseMLAArgs) -> Optional[str]:
 
 @dataclass
 class Launch:
-    """One call's launch: ``grid``, the positional ``args`` both kernels take, the format's
+    """One call's launch: ``grid``, the positional ``args`` both kernels take, the formats'
     constants, and what the LSE merge needs (``n_split`` may be symbolic when traced)."""
 
     grid: tuple
     args: tuple
     fmt: KVFormat
+    cmp_fmt: KVFormat  # the compressed cache's format (``fmt`` unless the call has two)
     page_shift: bool
     rope_bytes: bool
     dsplit: int
@@ -160,11 +161,11 @@ def plan(
     T, H, _ = q.shape
     if T == 0 or H == 0:
         return None
-    fmt = get_format(kv_format)
+    fmt, cmp_fmt = get_format(kv_format), get_format(args.cmp_format)
     if q.stride(2) != 1:
         q = q.contiguous()
     if cmp_cache is None:  # an empty second segment: K = 0, any valid pointers
-        cmp_cache, cmp_indices, cmp_lens = swa_cache, swa_indices[:, :0], swa_lens
+        cmp_cache, cmp_indices, cmp_lens, cmp_fmt = swa_cache, swa_indices[:, :0], swa_lens, fmt
     W, K = swa_indices.shape[1], cmp_indices.shape[1]
     traced = isinstance(q, FunctionalTensor)
     sms = num_sms(q.device)
@@ -184,8 +185,8 @@ def plan(
     else:
         part_o, part_lse = split_partials(workspace)
     # fp8_ds_mla's bf16 RoPE values sit at odd addresses when a page stride is odd
-    rope_bytes = fmt.bf16_rope and any(
-        c.stride(0) % 2 or c.storage_offset() % 2 for c in (swa_cache, cmp_cache))
+    rope_bytes = any(f.bf16_rope and (c.stride(0) % 2 or c.storage_offset() % 2)
+                     for f, c in ((fmt, swa_cache), (cmp_fmt, cmp_cache)))
     # power-of-two page sizes (the usual 64 / 256) map slots to pages with shifts
     pages = (swa_cache.shape[1], cmp_cache.shape[1])
     page_shift = all(p > 0 and p & (p - 1) == 0 for p in pages)
@@ -203,5 +204,5 @@ def plan(
         pages[1], cmp_cache.stride(0), num_slots(cmp_cache),
     )
     grid = (T * _cdiv(H, BH) * dsplit, n_split)
-    return Launch(grid, args, fmt, page_shift, rope_bytes, dsplit, n_split, blocks, traced,
+    return Launch(grid, args, fmt, cmp_fmt, page_shift, rope_bytes, dsplit, n_split, blocks, traced,
                   part_o, part_lse, sink if sink is not None else no_sink, int(sink is not None))

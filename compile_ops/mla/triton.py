@@ -47,6 +47,7 @@ import triton.language as tl
 
 from compile_ops import formats
 from compile_ops._launch import INTERPRET, launchable
+from compile_ops._triton_quant import e2m1_value
 from compile_ops.mla.inputs import SparseMLAArgs
 from compile_ops.mla.merge import merge
 from compile_ops.mla.plan import BH, BN, UNSPECIALIZED, plan
@@ -67,17 +68,29 @@ class Config:
 
 
 @triton.jit
-def _load_kv(p_row, p_scale, m_row, col0, NOPE: tl.constexpr, BLOCK: tl.constexpr,
+def _load_kv(p_row, p_scale, m_row, col0, NOPE: tl.constexpr, BLOCK: tl.constexpr, FP4: tl.constexpr,
              BN: tl.constexpr, DW: tl.constexpr, ROPE_BYTES: tl.constexpr):
     """Columns ``[col0, col0 + DW)`` of ``BN`` gathered keys, dequantized: ``[BN, DW]`` bf16.
 
     ``p_row`` / ``p_scale`` ``[BN]`` point at each row's data / scale bytes; rows where
-    ``m_row`` is False are never read and come back as zeros. ``NOPE`` / ``BLOCK`` are the
-    format's (:class:`compile_ops.formats.KVFormat`): ``NOPE`` e4m3 values per row in blocks
-    of ``BLOCK`` under one UE8M0 scale each (``BLOCK == 0``: none, or one per-tensor scale),
-    the remaining ``512 - NOPE`` RoPE values bf16.
+    ``m_row`` is False are never read and come back as zeros. ``NOPE`` / ``BLOCK`` / ``FP4``
+    are the format's (:class:`compile_ops.formats.KVFormat`): ``NOPE`` e4m3 values per row in
+    blocks of ``BLOCK`` under one UE8M0 scale each (``BLOCK == 0``: none, or one per-tensor
+    scale), the remaining ``512 - NOPE`` RoPE values bf16; ``FP4``: e2m1 values instead, two
+    per byte (the even column in the low nibble), under one e4m3 scale per block.
     """
-    if BLOCK == 0:  # bf16 rows (NOPE == 0), or fp8 under one per-tensor kv_scale
+    if FP4:
+        # an e2m1 value (at most 2 significant bits) times an e4m3 scale (4) is exact in bf16
+        o_b = col0 // 2 + tl.arange(0, DW // 2)
+        # [BN, DW // 2] bytes: two columns each
+        b_x = tl.load(p_row[:, None] + o_b[None, :], mask=m_row[:, None], other=0).to(tl.int32)
+        b_v = tl.reshape(tl.join(e2m1_value(b_x & 15), e2m1_value(b_x >> 4)), (BN, DW // BLOCK, BLOCK))
+        o_c = col0 // BLOCK + tl.arange(0, DW // BLOCK)
+        # [BN, DW // BLOCK] e4m3 scales
+        b_s = tl.load(p_scale[:, None] + o_c[None, :], mask=m_row[:, None], other=0)
+        b_s = b_s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b_k = tl.reshape(b_v * b_s[:, :, None], (BN, DW)).to(tl.bfloat16)
+    elif BLOCK == 0:  # bf16 rows (NOPE == 0), or fp8 under one per-tensor kv_scale
         o_d = col0 + tl.arange(0, DW)
         # [BN, DW]
         b_k = tl.load(p_row[:, None] + o_d[None, :], mask=m_row[:, None], other=0.0)
@@ -116,6 +129,70 @@ def _load_kv(p_row, p_scale, m_row, col0, NOPE: tl.constexpr, BLOCK: tl.constexp
     return b_k
 
 
+@triton.jit
+def _attend(b_m, b_l, b_acc, b_q, b_qo, i_lo, i_hi, n_iter, i_t, nb_swa, n_swa, n_cmp, col, qk_scale, seg,
+            NOPE: tl.constexpr, BLOCK: tl.constexpr, FP4: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+            BN: tl.constexpr, DSPLIT: tl.constexpr, PAGE_SHIFT: tl.constexpr, ROPE_BYTES: tl.constexpr,
+            UPCAST: tl.constexpr):
+    """The online softmax state ``(b_m, b_l, b_acc)`` after blocks ``[i_lo, i_hi)`` of
+    ``BN`` entries (SWA blocks first), read in one format (``NOPE``, ``BLOCK``, ``FP4``,
+    ``DATA``, ``SCALE``); ``n_iter >= i_hi - i_lo`` steps, the ones past ``i_hi`` masked.
+    ``seg`` = (swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots, and the
+    same seven for the compressed segment)."""
+    DV: tl.constexpr = 512 // DSPLIT
+    swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots, \
+        cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots = seg
+    for i_i in range(0, n_iter):
+        i_b = i_lo + i_i
+        is_swa = i_b < nb_swa
+        o_n = tl.where(is_swa, i_b, i_b - nb_swa) * BN + tl.arange(0, BN)
+        p_idx = tl.where(is_swa, swa_idx + i_t * s_swa_t, cmp_idx + i_t * s_cmp_t)
+        s_n = tl.where(is_swa, s_swa_n, s_cmp_n)
+        n_len = tl.where(is_swa, n_swa, n_cmp)
+        n_slots = tl.where(is_swa, swa_slots, cmp_slots)
+        page = tl.where(is_swa, swa_page, cmp_page)
+        stride = tl.where(is_swa, swa_stride, cmp_stride)
+        kv = tl.where(is_swa, swa_kv, cmp_kv)
+        # [BN] slots -> (page, offset) -> row and scale pointers
+        # a scalar condition joins a mask through tl.where, never `&`: Triton 3.9's
+        # interpreter turns `scalar & vector` masks into integers and rejects them
+        b_slot = tl.load(p_idx + o_n * s_n, mask=tl.where(i_b < i_hi, o_n < n_len, False), other=-1)
+        m_n = (b_slot >= 0) & (b_slot < n_slots)
+        b_slot = tl.where(m_n, b_slot, 0)
+        if PAGE_SHIFT:  # page sizes are powers of two: `page` holds log2(page size)
+            p_page = kv + (b_slot >> page).to(tl.int64) * stride
+            b_off = b_slot & ((1 << page) - 1)
+            page = 1 << page
+        else:
+            p_page = kv + (b_slot // page).to(tl.int64) * stride
+            b_off = b_slot % page
+        p_row = p_page + b_off * DATA
+        p_scale = p_page + page * DATA + b_off * SCALE
+        # [BN, DV]
+        b_k = _load_kv(p_row, p_scale, m_n, col, NOPE, BLOCK, FP4, BN, DV, ROPE_BYTES)
+        if UPCAST:
+            b_k = b_k.to(tl.float32)
+        # [BH, BN]
+        if DSPLIT == 2:
+            b_ko = _load_kv(p_row, p_scale, m_n, DV - col, NOPE, BLOCK, FP4, BN, DV, ROPE_BYTES)
+            if UPCAST:
+                b_ko = b_ko.to(tl.float32)
+            b_s = tl.dot(b_q, tl.trans(b_k), tl.dot(b_qo, tl.trans(b_ko)))
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k))
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.math.exp2(b_s - b_m_use[:, None])
+        b_alpha = tl.math.exp2(b_m - b_m_use)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        if not UPCAST:
+            b_p = b_p.to(tl.bfloat16)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_k)
+        b_m = b_m_new
+    return b_m, b_l, b_acc
+
+
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _sparse_mla_kernel(
     q, out, lse, part_o, part_lse, sink,
@@ -123,7 +200,9 @@ def _sparse_mla_kernel(
     T, H, W, K, n_split, has_sink, qk_scale, kv_scale,
     s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
-    NOPE: tl.constexpr, BLOCK: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    NOPE: tl.constexpr, BLOCK: tl.constexpr, FP4: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr,
+    CMP_NOPE: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_FP4: tl.constexpr, CMP_DATA: tl.constexpr,
+    CMP_SCALE: tl.constexpr, MIXED: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
     DSPLIT: tl.constexpr, PAGE_SHIFT: tl.constexpr, ROPE_BYTES: tl.constexpr, UPCAST: tl.constexpr,
     ITERS: tl.constexpr,
 ):
@@ -146,6 +225,7 @@ def _sparse_mla_kernel(
     b_q = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)
     if UPCAST:
         b_q = b_q.to(tl.float32)
+    b_qo = b_q
     if DSPLIT == 2:
         b_qo = tl.load(p_q + (DV - col) + tl.arange(0, DV)[None, :], mask=m_h[:, None], other=0.0)
         if UPCAST:
@@ -162,55 +242,21 @@ def _sparse_mla_kernel(
     b_m = tl.full([BH], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BH], dtype=tl.float32)
     b_acc = tl.zeros([BH, DV], dtype=tl.float32)
-    # the interpreter wants a Python int trip count (ITERS); the tail is masked below
-    for i_i in range(0, ITERS if ITERS > 0 else i_b1 - i_b0):
-        i_b = i_b0 + i_i
-        is_swa = i_b < nb_swa
-        o_n = tl.where(is_swa, i_b, i_b - nb_swa) * BN + tl.arange(0, BN)
-        p_idx = tl.where(is_swa, swa_idx + i_t * s_swa_t, cmp_idx + i_t * s_cmp_t)
-        s_n = tl.where(is_swa, s_swa_n, s_cmp_n)
-        n_len = tl.where(is_swa, n_swa, n_cmp)
-        n_slots = tl.where(is_swa, swa_slots, cmp_slots)
-        page = tl.where(is_swa, swa_page, cmp_page)
-        stride = tl.where(is_swa, swa_stride, cmp_stride)
-        kv = tl.where(is_swa, swa_kv, cmp_kv)
-        # [BN] slots -> (page, offset) -> row and scale pointers
-        # a scalar condition joins a mask through tl.where, never `&`: Triton 3.9's
-        # interpreter turns `scalar & vector` masks into integers and rejects them
-        b_slot = tl.load(p_idx + o_n * s_n, mask=tl.where(i_b < i_b1, o_n < n_len, False), other=-1)
-        m_n = (b_slot >= 0) & (b_slot < n_slots)
-        b_slot = tl.where(m_n, b_slot, 0)
-        if PAGE_SHIFT:  # page sizes are powers of two: `page` holds log2(page size)
-            p_page = kv + (b_slot >> page).to(tl.int64) * stride
-            b_off = b_slot & ((1 << page) - 1)
-            page = 1 << page
-        else:
-            p_page = kv + (b_slot // page).to(tl.int64) * stride
-            b_off = b_slot % page
-        p_row = p_page + b_off * DATA
-        p_scale = p_page + page * DATA + b_off * SCALE
-        # [BN, DV]
-        b_k = _load_kv(p_row, p_scale, m_n, col, NOPE, BLOCK, BN, DV, ROPE_BYTES)
-        if UPCAST:
-            b_k = b_k.to(tl.float32)
-        # [BH, BN]
-        if DSPLIT == 2:
-            b_ko = _load_kv(p_row, p_scale, m_n, DV - col, NOPE, BLOCK, BN, DV, ROPE_BYTES)
-            if UPCAST:
-                b_ko = b_ko.to(tl.float32)
-            b_s = tl.dot(b_q, tl.trans(b_k), tl.dot(b_qo, tl.trans(b_ko)))
-        else:
-            b_s = tl.dot(b_q, tl.trans(b_k))
-        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.math.exp2(b_s - b_m_use[:, None])
-        b_alpha = tl.math.exp2(b_m - b_m_use)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        if not UPCAST:
-            b_p = b_p.to(tl.bfloat16)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_k)
-        b_m = b_m_new
+    seg = (swa_kv, swa_idx, s_swa_t, s_swa_n, swa_page, swa_stride, swa_slots,
+           cmp_kv, cmp_idx, s_cmp_t, s_cmp_n, cmp_page, cmp_stride, cmp_slots)
+    # the interpreter wants a Python int trip count (ITERS); the tail is masked
+    if MIXED:  # each segment's blocks in its own format: the window's, then the compressed cache's
+        i_mid = tl.minimum(tl.maximum(nb_swa, i_b0), i_b1)
+        b_m, b_l, b_acc = _attend(b_m, b_l, b_acc, b_q, b_qo, i_b0, i_mid, ITERS if ITERS > 0 else i_mid - i_b0,
+                                  i_t, nb_swa, n_swa, n_cmp, col, qk_scale, seg, NOPE, BLOCK, FP4, DATA, SCALE,
+                                  BN, DSPLIT, PAGE_SHIFT, ROPE_BYTES, UPCAST)
+        b_m, b_l, b_acc = _attend(b_m, b_l, b_acc, b_q, b_qo, i_mid, i_b1, ITERS if ITERS > 0 else i_b1 - i_mid,
+                                  i_t, nb_swa, n_swa, n_cmp, col, qk_scale, seg, CMP_NOPE, CMP_BLOCK, CMP_FP4,
+                                  CMP_DATA, CMP_SCALE, BN, DSPLIT, PAGE_SHIFT, ROPE_BYTES, UPCAST)
+    else:
+        b_m, b_l, b_acc = _attend(b_m, b_l, b_acc, b_q, b_qo, i_b0, i_b1, ITERS if ITERS > 0 else i_b1 - i_b0,
+                                  i_t, nb_swa, n_swa, n_cmp, col, qk_scale, seg, NOPE, BLOCK, FP4, DATA, SCALE,
+                                  BN, DSPLIT, PAGE_SHIFT, ROPE_BYTES, UPCAST)
 
     # this program's partial: normalised output and base-2 LSE (-inf when it saw nothing)
     b_o = tl.where(b_l[:, None] > 0, b_acc * (kv_scale / b_l[:, None]), 0.0)
@@ -261,11 +307,13 @@ def sparse_mla_triton(
     launch = plan(args, out, lse, bn=cfg.bn, dsplit=cfg.dsplit, n_split=n_split)
     if launch is None:
         return
-    fmt = launch.fmt
+    fmt, cmp = launch.fmt, launch.cmp_fmt
     iters = triton.cdiv(launch.blocks, launch.n_split) + 1 if INTERPRET else 0
     launchable(_sparse_mla_kernel, args.q)[launch.grid](
         *launch.args,
-        NOPE=fmt.nope, BLOCK=fmt.block, DATA=fmt.data_elems, SCALE=fmt.scale_bytes, BH=BH, BN=cfg.bn, DSPLIT=launch.dsplit,
+        NOPE=fmt.nope, BLOCK=fmt.block, FP4=fmt.fp4, DATA=fmt.data_elems, SCALE=fmt.scale_bytes,
+        CMP_NOPE=cmp.nope, CMP_BLOCK=cmp.block, CMP_FP4=cmp.fp4, CMP_DATA=cmp.data_elems, CMP_SCALE=cmp.scale_bytes,
+        MIXED=cmp != fmt, BH=BH, BN=cfg.bn, DSPLIT=launch.dsplit,
         PAGE_SHIFT=launch.page_shift, ROPE_BYTES=launch.rope_bytes, UPCAST=INTERPRET, ITERS=iters,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
