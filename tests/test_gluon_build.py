@@ -20,7 +20,8 @@ import torch
 
 pytest.importorskip("triton")
 
-FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41"]
+# "window+compressed": a call of two formats (DeepSeek-V4.1's)
+FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41", "fp8_dsv41+fp4_dsv41"]
 BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
 
 SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt into on sm_90
@@ -35,7 +36,8 @@ ALIGNED = ("s_qt", "s_qh", "swa_stride", "cmp_stride")
 
 def build_sm90(kv_format, dsplit):
     """:func:`gluon._sparse_mla_ws_kernel` compiled for sm_90 as a launch on ``kv_format``
-    caches with power-of-two pages and ``dsplit`` programs per head block would compile it."""
+    caches (``"window+compressed"``: two formats) with power-of-two pages and ``dsplit``
+    programs per head block would compile it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -44,8 +46,9 @@ def build_sm90(kv_format, dsplit):
     from compile_ops.formats import get_format
     from compile_ops.mla import gluon
 
+    kv_format, _, cmp_format = kv_format.partition("+")
     fmt = get_format(kv_format)
-    options = gluon.launch_options(fmt, page_shift=True, dsplit=dsplit)
+    options = gluon.launch_options(fmt, page_shift=True, dsplit=dsplit, cmp_fmt=get_format(cmp_format or kv_format))
     num_warps, maxnreg = options.pop("num_warps"), options.pop("maxnreg")
     kernel = gluon._sparse_mla_ws_kernel
     names = list(inspect.signature(kernel.fn).parameters)

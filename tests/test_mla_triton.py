@@ -29,6 +29,7 @@ from helpers import make_cache, make_indices
 
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41"]
 V41 = ("fp8_dsv41", "fp4_dsv41")  # DeepSeek-V4.1's window rows and compressed entries
+CALL_FORMATS = FORMATS + [V41]  # each format for both caches, and V4.1's two
 # GPU tests run each kernel through its backend's entry point, bypassing the op's dispatch
 KERNELS = ["triton", "gluon"]
 
@@ -262,7 +263,7 @@ GPU_SHAPES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", CALL_FORMATS, ids=str)
 @pytest.mark.parametrize("H,K,T,page_size", GPU_SHAPES, ids=[f"H{h}-K{k}-T{t}-p{p}" for h, k, t, p in GPU_SHAPES])
 def test_gpu_matches_reference(kv_format, H, K, T, page_size, backend):
     needs(backend)
@@ -281,7 +282,7 @@ def test_gpu_auto_is_gluon_on_sm90(kv_format):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", CALL_FORMATS, ids=str)
 def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
     """Non-power-of-two pages, an odd page stride (fp8_ds_mla's unaligned RoPE), H = 70
     (a partial head block) and split-K forced to 1, 3 and 7 with empty rows among them. The
@@ -295,7 +296,7 @@ def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
             kernel_of("gluon")(SparseMLAArgs(*odd), out, lse)
         with compile_ops.use_backends(sparse_mla="gluon"), pytest.raises(ValueError, match="16-byte aligned"):
             compile_ops.sparse_mla_out(*odd, out, lse)
-        assert backends.resolve("sparse_mla", torch.device("cuda"), kv_format, SparseMLAArgs(*odd))[0] == "triton"
+        assert backends.resolve("sparse_mla", torch.device("cuda"), odd[9], SparseMLAArgs(*odd))[0] == "triton"
     gap = 0 if backend == "gluon" else 5
     args = list(make_case(kv_format, 9, 70, 128, 300, 48, page_gap=gap, device="cuda", seed=3, pool_pages=40))
     args[3][2] = 0  # a token with no SWA entries
@@ -306,7 +307,7 @@ def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", KERNELS)
-@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("kv_format", CALL_FORMATS, ids=str)
 def test_gpu_full_segments(kv_format, backend):
     """Tokens with a full window and a full top-k (the steady decode state) next to tokens
     with a short window or no compressed entries; default, one and five splits."""

@@ -39,7 +39,9 @@ from compile_ops.bench import BF16_FLOPS_PER_S as PEAK_FLOPS
 from compile_ops.bench import COPY_BYTES_PER_S as PEAK_BYTES
 from compile_ops.bench.slots import no_cuda
 
-FORMATS = ("bf16", "fp8", "fp8_ds_mla", "fp8_dsv41")
+# "window+compressed": a call of two formats; V41 is DeepSeek-V4.1's pair
+V41 = "fp8_dsv41+fp4_dsv41"
+FORMATS = ("bf16", "fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41", V41)
 W, PAGE = 128, 64
 
 
@@ -47,7 +49,8 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="python -m compile_ops.bench sparse-mla", description=description(__doc__))
     p.add_argument("--T", default="1,8,32,128,512,2048", help="token counts")
     p.add_argument("--shapes", default="64:512,128:1024", help="H:K pairs")
-    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help="kv_formats, or window+compressed pairs of two (V4.1's: fp8_dsv41+fp4_dsv41)")
     p.add_argument("--ref-T", default="1,128", help="T at which to time the torch.compile'd reference ('' = none)")
     p.add_argument("--no-flashmla", action="store_true")
     p.add_argument("--backends", default="gluon,triton", help="our sparse_mla backends to time (one that cannot run here is skipped)")
@@ -140,10 +143,19 @@ def make_inputs(T, H, K, n_swa, n_cmp, n_sets, device, gen):
     return sets
 
 
-def roofline(T, H, K, bytes_per_token):
+def split_format(fmt):
+    """``(window's format, compressed cache's format)`` of a ``--formats`` entry."""
+    window, _, compressed = fmt.partition("+")
+    return window, compressed or window
+
+
+def roofline(T, H, K, fmt, bytes_per_token):
+    """(flops, KV bytes, roofline seconds) of a case: ``W`` window rows and ``K`` entries in
+    their formats (``bytes_per_token`` of each format)."""
+    window, compressed = split_format(fmt)
     A = W + K
     flops = 4.0 * T * H * A * 512
-    kv_bytes = T * A * bytes_per_token
+    kv_bytes = T * (W * bytes_per_token[window] + K * bytes_per_token[compressed])
     io_bytes = kv_bytes + T * A * 4 + T * H * 512 * 2 * 2 + T * H * 4
     return flops, kv_bytes, max(flops / PEAK_FLOPS, io_bytes / PEAK_BYTES)
 
@@ -196,13 +208,14 @@ def main(argv=None):
         T, H = q.shape[:2]
         out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
         lse = torch.empty(T, H, device=device)
-        call = (q, swa[fmt], si, sl, cmp[fmt], ci, cl, sink, sm_scale, fmt, 1.0, out, lse)
+        window, compressed = split_format(fmt)
+        call = (q, swa[window], si, sl, cmp[compressed], ci, cl, sink, sm_scale, window, 1.0)
         if cfg is not None:
-            return lambda: mla_triton.sparse_mla_triton(SparseMLAArgs(*call[:11]), out, lse, config=cfg)
+            return lambda: mla_triton.sparse_mla_triton(SparseMLAArgs(*call, None, compressed), out, lse, config=cfg)
 
         def run():
             with compile_ops.use_backends(sparse_mla=backend):
-                compile_ops.sparse_mla_out(*call)
+                compile_ops.sparse_mla_out(*call, out, lse, None, compressed)
 
         return run
 
@@ -231,7 +244,7 @@ def main(argv=None):
         n_swa = -(-max(2 * max(Ts) * W, 4 * W) // PAGE) * PAGE
         n_cmp = max(args.pool // PAGE * PAGE, PAGE)
         swa, cmp, bpt = {}, {}, {}
-        for fmt in formats:
+        for fmt in sorted({f for pair in formats for f in split_format(pair)}):
             swa[fmt], bpt[fmt] = make_caches(fmt, n_swa, device, gen)
             cmp[fmt], _ = make_caches(fmt, n_cmp, device, gen)
         sink = torch.randn(H, device=device, generator=gen)
@@ -278,7 +291,7 @@ def main(argv=None):
             for kernel, us in kernel_times(fn).items():
                 kernel_rows.append(dict(H=H, K=K, T=T, impl=impl, kernel=kernel[:80], us=round(us, 2)))
     for r in rows:
-        flops, kv_bytes, roof = roofline(r["T"], r["H"], r["K"], bpt[r["kv_format"]])
+        flops, kv_bytes, roof = roofline(r["T"], r["H"], r["K"], r["kv_format"], bpt)
         r["tflops"] = flops / r["us"] / 1e6
         r["kv_gbps"] = kv_bytes / r["us"] / 1e3
         r["pct_roofline"] = 100 * roof / (r["us"] * 1e-6)

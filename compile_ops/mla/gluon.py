@@ -208,17 +208,39 @@ def _raw_block(raw, off: gl.constexpr, scales, j: gl.constexpr, NOPE: gl.constex
 
 @gluon.jit
 def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
-              NOPE: gl.constexpr, BLOCK: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+              NOPE: gl.constexpr, BLOCK: gl.constexpr, FP4: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr,
+              CMP_NOPE: gl.constexpr, CMP_BLOCK: gl.constexpr, CMP_FP4: gl.constexpr, CMP_DATA: gl.constexpr,
+              CMP_SCALE: gl.constexpr, MIXED: gl.constexpr, SROW: gl.constexpr, PAGE_SHIFT: gl.constexpr,
               BN: gl.constexpr, STAGES: gl.constexpr):
     """The producer warpgroup: each block's rows into the next free tile (``empty``), its
-    score bias next to it, then ``ready`` (see the module docstring). Every block's slots
-    are loaded two blocks ahead: loaded one block ahead, ptxas placed their first use
-    before this block's copies, which then waited for the index load."""
+    score bias next to it, then ``ready`` (see the module docstring). With two formats
+    (``MIXED``) the window's blocks are produced in its format, then the compressed
+    cache's in the ``CMP_*`` one."""
     _wait_prior_grid()
     swa_len, cmp_len, W, K, n_split = span_args
     n_swa, n_cmp, nb_swa, i_b0, i_b1 = _span(i_t, i_s, swa_len, cmp_len, W, K, n_split, BN)
-    n = i_b1 - i_b0
     slot_args = (i_t, n_swa, n_cmp, nb_swa, seg)
+    bufs = (kbuf, stage_buf, scale_buf, bias, ready, empty)
+    if MIXED:
+        i_mid = gl.minimum(gl.maximum(nb_swa, i_b0), i_b1)
+        _produce(bufs, i_b0, i_mid, 0, slot_args, NOPE, BLOCK, FP4, DATA, SCALE, SROW, PAGE_SHIFT, BN, STAGES)
+        _produce(bufs, i_mid, i_b1, i_mid - i_b0, slot_args, CMP_NOPE, CMP_BLOCK, CMP_FP4, CMP_DATA, CMP_SCALE, SROW,
+                 PAGE_SHIFT, BN, STAGES)
+    else:
+        _produce(bufs, i_b0, i_b1, 0, slot_args, NOPE, BLOCK, FP4, DATA, SCALE, SROW, PAGE_SHIFT, BN, STAGES)
+
+
+@gluon.jit
+def _produce(bufs, i_b0, i_b1, base, slot_args, NOPE: gl.constexpr, BLOCK: gl.constexpr, FP4: gl.constexpr,
+             DATA: gl.constexpr, SCALE: gl.constexpr, SROW: gl.constexpr, PAGE_SHIFT: gl.constexpr, BN: gl.constexpr,
+             STAGES: gl.constexpr):
+    """Blocks ``[i_b0, i_b1)``, all in one format, into the tiles from the program's block
+    ``base`` on (which picks the tile and barrier phase). Every block's slots are loaded two
+    blocks ahead: loaded one block ahead, ptxas placed their first use before this block's
+    copies, which then waited for the index load. Returns with no copy in flight."""
+    kbuf, stage_buf, scale_buf, bias, ready, empty = bufs
+    _, _, _, nb_swa, seg = slot_args
+    n = i_b1 - i_b0
     if NOPE == 0:  # 16 bytes per thread and cp.async, 4 rows of 128 bytes per warp and copy
         LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         o_r = gl.arange(0, BN, gl.SliceLayout(1, LC))
@@ -226,11 +248,11 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
         slot_next = _slots(i_b0, o_r, n > 0, *slot_args, BN)
         slot_after = _slots(i_b0 + 1, o_r, n > 1, *slot_args, BN)
         for i in range(n):
-            st = i % STAGES
+            st = (base + i) % STAGES
             slot, slot_next = slot_next, slot_after
             slot_after = _slots(i_b0 + i + 2, o_r, i + 2 < n, *slot_args, BN)
             kv, o_row, _, valid = _row_offsets(slot, i_b0 + i, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(st), (((base + i) // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
             # straight into the MMA layout; `ready` completes when the copies land: no
             # waiting here, so the next tile's copies go out as soon as it is free (up to
@@ -240,6 +262,8 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
             async_copy.mbarrier_arrive(ready.index(st))
             _cta_barrier()
             mbarrier.arrive(ready.index(st), count=1)
+    elif FP4:
+        _produce_fp4(bufs, i_b0, n, base, slot_args, DATA, SCALE, SROW, PAGE_SHIFT, BN, STAGES)
     else:
         # fp8: raw column blocks 0..3 of block i + 1 (and its scale bytes) go by cp.async into
         # `stage_buf` while block i is converted, so their latency overlaps it; the rest of
@@ -251,17 +275,17 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
         if _tensor_scaled(NOPE, BLOCK):  # no scale bytes: ``scale_buf`` is the key tiles, never read as scales
             scales = scale_buf
         else:
-            scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        rows_next = _copy_staged(stage_buf, scale_buf.index(0), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
+            scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, SROW], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        rows_next = _copy_staged(stage_buf, scale_buf.index(base % STAGES), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
                                  nb_swa, seg, DATA, SCALE, PAGE_SHIFT, NOPE, BLOCK, BN)
         async_copy.commit_group()
         slot_next = _slots(i_b0 + 1, o_r, n > 1, *slot_args, BN)
         for i in range(n):
-            st = i % STAGES
+            st = (base + i) % STAGES
             p_row, valid = rows_next
             slot_after = _slots(i_b0 + i + 2, o_r, i + 2 < n, *slot_args, BN)
             tile = kbuf.index(st)
-            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(st), (((base + i) // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
             _copy_tile(tile, p_row, valid, NOPE, BLOCK, BN)
             async_copy.commit_group()
@@ -269,7 +293,7 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
             _cta_barrier()
             _dequantize(stage_buf, 4, 0, tile, scales.index(st), 0, 4, NOPE, BLOCK, BN)
             _cta_barrier()  # every thread has read the staged bytes
-            rows_next = _copy_staged(stage_buf, scale_buf.index((i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa, seg,
+            rows_next = _copy_staged(stage_buf, scale_buf.index((base + i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa, seg,
                                      DATA, SCALE, PAGE_SHIFT, NOPE, BLOCK, BN)
             slot_next = slot_after
             async_copy.commit_group()
@@ -279,12 +303,147 @@ def _producer(kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_arg
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(ready.index(st), count=1)
+        async_copy.wait_group(0)  # the (masked) staged copy past the last block: nothing in flight
+
+
+@gluon.jit
+def _produce_fp4(bufs, i_b0, n, base, slot_args, DATA: gl.constexpr, SCALE: gl.constexpr, SROW: gl.constexpr,
+                 PAGE_SHIFT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    """``fp4_dsv41`` blocks: a block's packed rows (16 KB) fit the staging buffer whole, so
+    block ``i + 1``'s bytes and scales go out by ``cp.async`` as soon as block ``i`` has been
+    converted from it, and fly while the producer waits for the next free tile."""
+    kbuf, stage_buf, scale_buf, bias, ready, empty = bufs
+    _, _, _, nb_swa, seg = slot_args
+    o_r = gl.arange(0, BN, gl.SliceLayout(0, gl.SliceLayout(2, _fp4_copy_layout())))
+    scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, SROW], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    valid_next = _copy_fp4(stage_buf, scale_buf.index(base % STAGES), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
+                           nb_swa, seg, DATA, SCALE, PAGE_SHIFT, BN)
+    async_copy.commit_group()
+    slot_next = _slots(i_b0 + 1, o_r, n > 1, *slot_args, BN)
+    for i in range(n):
+        st = (base + i) % STAGES
+        valid = valid_next
+        slot_after = _slots(i_b0 + i + 2, o_r, i + 2 < n, *slot_args, BN)
+        tile = kbuf.index(st)
+        mbarrier.wait(empty.index(st), (((base + i) // STAGES) & 1) ^ 1)
+        bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
+        async_copy.wait_group(0)  # block i's bytes have landed
+        _cta_barrier()
+        _dequantize_fp4(stage_buf, tile, scales.index(st), BN)
+        _cta_barrier()  # every thread has read the staged bytes
+        valid_next = _copy_fp4(stage_buf, scale_buf.index((base + i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa,
+                               seg, DATA, SCALE, PAGE_SHIFT, BN)
+        slot_next = slot_after
+        async_copy.commit_group()
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(ready.index(st), count=1)
+    async_copy.wait_group(0)  # the (masked) copy past the last block: nothing in flight
+
+
+@gluon.constexpr_function
+def _fp4_copy_layout():
+    """fp4 packed copies ``[8 column blocks, BN, 8 words]`` (32 bytes of a row per 64
+    columns): 16 bytes per thread and cp.async, a warp covering 16 rows x 32 bytes."""
+    return gl.BlockedLayout([1, 1, 4], [1, 16, 2], [1, 4, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _copy_fp4(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr,
+              PAGE_SHIFT: gl.constexpr, BN: gl.constexpr):
+    """Block ``i_b``'s packed rows (rows ``slot``) into ``stage_buf`` as 8 column blocks
+    ``[BN, 8 words]`` (the words of columns ``64 j .. 64 j + 63`` at ``j``) and its e4m3
+    scale bytes into ``scale_st``, by ``cp.async`` (for the caller to commit); returns which
+    rows are valid (invalid ones are zero-filled)."""
+    L3: gl.constexpr = _fp4_copy_layout()
+    kv, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+    p_row = (kv + gl.multiple_of(o_row, 16)).to(gl.pointer_type(gl.int32))
+    o_j = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    o_w = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    raw = _reinterpret(stage_buf, gl.int32, [8, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    _async_load(raw, p_row[None, :, None] + o_j * 8 + o_w, mask=valid[None, :, None])
+    SW: gl.constexpr = SCALE // 4
+    LS: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # rows as in L3: no layout conversion
+    p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, 16), gl.SliceLayout(1, LS))
+    o_s = gl.arange(0, SW, gl.SliceLayout(0, LS))
+    _async_load(scale_st.slice(0, SW, dim=1), p_scale.to(gl.pointer_type(gl.int32))[:, None] + o_s[None, :],
+                mask=gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None])
+    return valid
+
+
+@gluon.jit
+def _dequantize_fp4(stage_buf, tile, scales, BN: gl.constexpr):
+    """The staged packed rows (:func:`_copy_fp4`) -> bf16 columns of ``tile``, each value
+    times its e4m3 scale (``scales [BN, >= 32]`` bytes, one per 16 values); column block
+    ``j + 1`` is loaded before block ``j`` is stored, overlapping the loads' latency."""
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 4, 1], [4, 1, 1], [2, 1, 0])  # [BN, 4 scale blocks, 2 words]
+    raw = _reinterpret(stage_buf, gl.int32, [8, BN, 4, 2], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    LE: gl.constexpr = gl.SliceLayout(2, LW)
+    x = raw.index(0).load(LW)
+    e = scales.slice(0, 4, dim=1).load(LE).expand_dims(2)
+    for j in gl.static_range(8):
+        if j + 1 < 8:
+            x_next = raw.index(j + 1).load(LW)
+            e_next = scales.slice(4 * (j + 1), 4, dim=1).load(LE).expand_dims(2)
+        tile.slice(64 * j, 64, dim=1).store(_convert_fp4(x, e))
+        if j + 1 < 8:
+            x, e = x_next, e_next
+
+
+# _convert_fp4's PTX: a word ($8, eight e2m1 codes, the first in the low nibble) and its
+# block's scale as a bf16 pair ($9) into eight bf16 values $0..$7. For four codes (one
+# half-word) at a time, two byte permutes look up the high and the low bytes of the bf16
+# magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (tables 0x40404040 3F3F3F00 and 0xC0804000 C0800000),
+# a third turns the sign bits into 0x80 bytes, two more interleave the bytes into two bf16
+# pairs, and one exact multiply each applies the scale (an e2m1 value times an e4m3 scale
+# has at most 6 significant bits: exact in bf16).
+_E2M1X8_TO_BF16 = gl.constexpr("""{
+.reg .b32 m, h, l, s, w, t, v, hl, hh, ll, lh;
+mov.b32 hl, 0x3F3F3F00;
+mov.b32 hh, 0x40404040;
+mov.b32 ll, 0xC0800000;
+mov.b32 lh, 0xC0804000;
+mov.b32 v, 0x8000;
+""" + "".join(f"""shr.b32 w, $8, {16 * half};
+and.b32 m, w, 0x7777;
+prmt.b32 h, hl, hh, m;
+prmt.b32 l, ll, lh, m;
+shr.b32 t, w, 3;
+and.b32 t, t, 0x1111;
+prmt.b32 s, v, 0, t;
+or.b32 h, h, s;
+prmt.b32 w, l, h, 0x5140;
+mul.rn.bf16x2 w, w, $9;
+mov.b32 {{${4 * half}, ${4 * half + 1}}}, w;
+prmt.b32 w, l, h, 0x7362;
+mul.rn.bf16x2 w, w, $9;
+mov.b32 {{${4 * half + 2}, ${4 * half + 3}}}, w;
+""" for half in (0, 1)) + "}")
+
+
+@gluon.jit
+def _convert_fp4(x, e):
+    """int32 words ``x [rows, blocks, 2]`` (eight e2m1 codes each, along the last axis) and
+    their blocks' e4m3 scale bytes ``e [rows, blocks, 1]`` -> ``[rows, 16 * blocks]`` bf16."""
+    scale = e.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(gl.bfloat16).to(gl.int16, bitcast=True)
+    scale = scale.to(gl.int32) & 0xFFFF
+    k = gl.inline_asm_elementwise(_E2M1X8_TO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [x, scale | (scale << 16)],
+                                  (gl.bfloat16, ) * 8, is_pure=True, pack=1)
+    # value v of word w is column 8 w + v
+    k = gl.join(gl.join(gl.join(k[0], k[4]), gl.join(k[2], k[6])), gl.join(gl.join(k[1], k[5]), gl.join(k[3], k[7])))
+    return gl.reshape(k, [x.shape[0], x.numel // x.shape[0] * 8])
 
 
 @gluon.constexpr_function
 def _tensor_scaled(NOPE, BLOCK):
     """e4m3 values under one per-tensor scale (``fp8``): no scale bytes in the rows."""
     return NOPE > 0 and BLOCK == 0
+
+
+@gluon.constexpr_function
+def _scale_row_bytes(SCALE, CMP_SCALE):
+    """Bytes of a row's scales in the scale buffer: the larger format's, at least 16."""
+    return max(16, SCALE, CMP_SCALE)
 
 
 @gluon.constexpr_function
@@ -549,7 +708,9 @@ def _sparse_mla_ws_kernel(
     T, H, W, K, n_split, has_sink, qk_scale, kv_scale,
     s_qt, s_qh, s_swa_t, s_swa_n, s_cmp_t, s_cmp_n,
     swa_page, swa_stride, swa_slots, cmp_page, cmp_stride, cmp_slots,
-    NOPE: gl.constexpr, BLOCK: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+    NOPE: gl.constexpr, BLOCK: gl.constexpr, FP4: gl.constexpr, DATA: gl.constexpr, SCALE: gl.constexpr,
+    CMP_NOPE: gl.constexpr, CMP_BLOCK: gl.constexpr, CMP_FP4: gl.constexpr, CMP_DATA: gl.constexpr,
+    CMP_SCALE: gl.constexpr, MIXED: gl.constexpr, PAGE_SHIFT: gl.constexpr,
     BN: gl.constexpr, STAGES: gl.constexpr, DSPLIT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     RIGHT_REGS: gl.constexpr,
 ):
@@ -576,18 +737,20 @@ def _sparse_mla_ws_kernel(
     b_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], q_layout)
     kbuf = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 512], k_layout)
-    if NOPE == 0:
+    if NOPE == 0:  # bf16 (never with a second format)
         stage_buf = kbuf
-    else:  # raw column blocks 0..3 of the next block (see _producer)
+    else:  # fp8: raw column blocks 0..3 of the next block; fp4: all of its packed rows (see _produce)
         stage_buf = gl.allocate_shared_memory(gl.int32, [4, BN, 16], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, BN], p_layout)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [64], b_layout)
     ml_smem = gl.allocate_shared_memory(gl.float32, [2, 64], b_layout)
     bias = gl.allocate_shared_memory(gl.float32, [STAGES, BN], b_layout)
+    SROW: gl.constexpr = _scale_row_bytes(SCALE, CMP_SCALE if MIXED else SCALE)
     if _tensor_scaled(NOPE, BLOCK):
         scale_buf = kbuf
-    else:  # each row's UE8M0 scale bytes (8 or 16), filled by cp.async
-        scale_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    else:  # each row's scale bytes (8, 16 or 32), filled by cp.async
+        scale_buf = gl.allocate_shared_memory(gl.int32, [STAGES, BN, SROW // 4],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -614,16 +777,22 @@ def _sparse_mla_ws_kernel(
         (_consumer_right, (kbuf, p_smem, alpha_smem, ml_smem, empty, p_ready, p_free, fin,
                            i_t, i_hb, i_s, c_left + NCB, span_args, epilogue_args, BN, STAGES, NCB)),
         (_producer, (kbuf, stage_buf, scale_buf, bias, ready, empty, i_t, i_s, span_args, seg,
-                     NOPE, BLOCK, DATA, SCALE, PAGE_SHIFT, BN, STAGES)),
+                     NOPE, BLOCK, FP4, DATA, SCALE, CMP_NOPE, CMP_BLOCK, CMP_FP4, CMP_DATA, CMP_SCALE, MIXED, SROW,
+                     PAGE_SHIFT, BN, STAGES)),
     ], [4, 4], [RIGHT_REGS, PRODUCER_REGS])
 
 
-def launch_options(fmt: formats.KVFormat, page_shift: bool, dsplit: int) -> dict:
+def launch_options(fmt: formats.KVFormat, page_shift: bool, dsplit: int, cmp_fmt: Optional[formats.KVFormat] = None
+                   ) -> dict:
     """Every :func:`_sparse_mla_ws_kernel` launch's compile-time arguments and options
-    (``num_warps``, ``maxnreg``): the format's kernel constants, the page shift and
-    ``dsplit`` (1 or 2 programs per head block)."""
+    (``num_warps``, ``maxnreg``): the formats' kernel constants (``cmp_fmt``: the compressed
+    cache's, when not ``fmt``), the page shift and ``dsplit`` (1 or 2 programs per head
+    block)."""
+    cmp_fmt = cmp_fmt or fmt
     return dict(
-        NOPE=fmt.nope, BLOCK=fmt.block, DATA=fmt.data_elems, SCALE=fmt.scale_bytes, PAGE_SHIFT=page_shift,
+        NOPE=fmt.nope, BLOCK=fmt.block, FP4=fmt.fp4, DATA=fmt.data_elems, SCALE=fmt.scale_bytes,
+        CMP_NOPE=cmp_fmt.nope, CMP_BLOCK=cmp_fmt.block, CMP_FP4=cmp_fmt.fp4, CMP_DATA=cmp_fmt.data_elems,
+        CMP_SCALE=cmp_fmt.scale_bytes, MIXED=cmp_fmt != fmt, PAGE_SHIFT=page_shift,
         BN=BN, STAGES=STAGES, DSPLIT=dsplit, PRODUCER_REGS=PRODUCER_REGS, RIGHT_REGS=RIGHT_REGS,
         num_warps=4, maxnreg=MAX_REGS, launch_pdl=True,
     )
@@ -642,6 +811,6 @@ def sparse_mla_gluon(args: SparseMLAArgs, out, lse, *, n_split: Optional[int] = 
         return
     if launch.traced or args.q.device.type != "cuda":
         raise RuntimeError("the Gluon kernel runs eagerly on sm_90 only: not traced, not interpreted")
-    options = launch_options(launch.fmt, launch.page_shift, launch.dsplit)
+    options = launch_options(launch.fmt, launch.page_shift, launch.dsplit, launch.cmp_fmt)
     _sparse_mla_ws_kernel[launch.grid](*launch.args, **options)
     merge(launch, out, lse, after_gluon=True)

@@ -234,14 +234,6 @@ def gluon_triton_unsupported(version: str) -> Optional[str]:
     )
 
 
-def _e2m1_unread(kernel: str, kv_format) -> Optional[str]:
-    """Why ``kernel`` refuses ``kv_format`` (``None``: it reads it): no Triton kernel decodes
-    e2m1 entries yet, so ``fp4_dsv41`` caches go to the reference."""
-    if kv_format is not None and get_format(kv_format).fp4:
-        return f"{kernel} does not read {kv_format} caches (e2m1 entries): the reference backend does"
-    return None
-
-
 def _triton_unavailable(device, kv_format):
     return backends.cuda_with_triton(device, kv_format)
 
@@ -257,7 +249,7 @@ def _gluon_unavailable(device, kv_format):
         import triton.experimental.gluon  # noqa: F401
     except ImportError as err:
         return f"the Gluon kernel needs triton with triton.experimental.gluon ({err})"
-    return gluon_triton_unsupported(triton.__version__) or _e2m1_unread("the Gluon kernel", kv_format)
+    return gluon_triton_unsupported(triton.__version__)
 
 
 def _flashmla_unavailable(device, kv_format):

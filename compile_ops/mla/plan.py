@@ -21,7 +21,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from compile_ops._checks import check_tensor
 from compile_ops.formats import HEAD_DIM, LOG2E, KVFormat, get_format, num_slots
-from compile_ops.mla.inputs import SparseMLAArgs, one_format_only
+from compile_ops.mla.inputs import SparseMLAArgs, two_formats_unread
 
 # sizes, strides and counts that change from call to call: specializing on them (== 1,
 # divisible by 16) would recompile the attention kernels
@@ -107,8 +107,8 @@ def choose_split(T, H: int, blocks, dsplit: int, num_sms: int, rows: int):
 def gluon_args_unsupported(args: SparseMLAArgs) -> Optional[str]:
     """The ``gluon`` backend's limits: ``None`` when the Gluon kernel can read this call's
     tensors, else why not (it copies cache rows and q's heads 16 bytes at a time, and reads
-    both caches in one format)."""
-    mixed = one_format_only("the Gluon kernel", args)
+    two formats only when both have per-block scales)."""
+    mixed = two_formats_unread("the Gluon kernel", args)
     if mixed:
         return mixed
     for name, cache in (("swa_cache", args.swa_cache), ("cmp_cache", args.cmp_cache)):
