@@ -295,7 +295,7 @@ def test_gpu_odd_pages_and_forced_splits(kv_format, backend):
         with pytest.raises(ValueError, match="16-byte aligned"):
             kernel_of("gluon")(SparseMLAArgs(*odd), out, lse)
         with compile_ops.use_backends(sparse_mla="gluon"), pytest.raises(ValueError, match="16-byte aligned"):
-            compile_ops.sparse_mla_out(*odd, out, lse)
+            compile_ops.sparse_mla_out(*odd[:11], out, lse, *odd[11:])
         assert backends.resolve("sparse_mla", torch.device("cuda"), odd[9], SparseMLAArgs(*odd))[0] == "triton"
     gap = 0 if backend == "gluon" else 5
     args = list(make_case(kv_format, 9, 70, 128, 300, 48, page_gap=gap, device="cuda", seed=3, pool_pages=40))

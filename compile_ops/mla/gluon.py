@@ -309,84 +309,106 @@ def _produce(bufs, i_b0, i_b1, base, slot_args, NOPE: gl.constexpr, BLOCK: gl.co
 @gluon.jit
 def _produce_fp4(bufs, i_b0, n, base, slot_args, DATA: gl.constexpr, SCALE: gl.constexpr, SROW: gl.constexpr,
                  PAGE_SHIFT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    """``fp4_dsv41`` blocks: a block's packed rows (16 KB) fit the staging buffer whole, so
-    block ``i + 1``'s bytes and scales go out by ``cp.async`` as soon as block ``i`` has been
-    converted from it, and fly while the producer waits for the next free tile."""
+    """``fp4_dsv41`` blocks, pipelined as the fp8 ones: the packed bytes of columns 0..255
+    (8 KB) of block ``i + 1`` and its scales go by ``cp.async`` into ``stage_buf`` while
+    block ``i`` is converted; those of columns 256..511 go into the last 8 KB of their own
+    tile once it is free, and are converted in place after the staged ones."""
     kbuf, stage_buf, scale_buf, bias, ready, empty = bufs
     _, _, _, nb_swa, seg = slot_args
     o_r = gl.arange(0, BN, gl.SliceLayout(0, gl.SliceLayout(2, _fp4_copy_layout())))
     scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, SROW], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    valid_next = _copy_fp4(stage_buf, scale_buf.index(base % STAGES), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
-                           nb_swa, seg, DATA, SCALE, PAGE_SHIFT, BN)
+    staged = _reinterpret(stage_buf, gl.int32, [8, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    rows_next = _copy_fp4(staged, 0, scale_buf.index(base % STAGES), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
+                          nb_swa, seg, DATA, SCALE, PAGE_SHIFT, BN)
     async_copy.commit_group()
     slot_next = _slots(i_b0 + 1, o_r, n > 1, *slot_args, BN)
     for i in range(n):
         st = (base + i) % STAGES
-        valid = valid_next
+        p_row, valid = rows_next
         slot_after = _slots(i_b0 + i + 2, o_r, i + 2 < n, *slot_args, BN)
         tile = kbuf.index(st)
+        # the tile as 32 raw column blocks of 2 KB: its last 8 KB (bf16 column block 7) take
+        # the packed bytes of column blocks 4..7
+        in_tile = _reinterpret(tile, gl.int32, [32, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
         mbarrier.wait(empty.index(st), (((base + i) // STAGES) & 1) ^ 1)
         bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
-        async_copy.wait_group(0)  # block i's bytes have landed
+        _copy_fp4_rows(in_tile.slice(28, 4), p_row, valid, 4, BN)
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # block i's staged bytes have landed
         _cta_barrier()
-        _dequantize_fp4(stage_buf, tile, scales.index(st), BN)
+        _dequantize_fp4(staged, 0, tile, scales.index(st), 0, BN)
         _cta_barrier()  # every thread has read the staged bytes
-        valid_next = _copy_fp4(stage_buf, scale_buf.index((base + i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa,
-                               seg, DATA, SCALE, PAGE_SHIFT, BN)
+        rows_next = _copy_fp4(staged, 0, scale_buf.index((base + i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa,
+                              seg, DATA, SCALE, PAGE_SHIFT, BN)
         slot_next = slot_after
         async_copy.commit_group()
+        async_copy.wait_group(1)  # block i's tile part has landed
+        _cta_barrier()
+        _dequantize_fp4(in_tile, 28, tile, scales.index(st), 4, BN)
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(ready.index(st), count=1)
-    async_copy.wait_group(0)  # the (masked) copy past the last block: nothing in flight
+    async_copy.wait_group(0)  # the (masked) staged copy past the last block: nothing in flight
 
 
 @gluon.constexpr_function
 def _fp4_copy_layout():
-    """fp4 packed copies ``[8 column blocks, BN, 8 words]`` (32 bytes of a row per 64
+    """fp4 packed copies ``[4 column blocks, BN, 8 words]`` (32 bytes of a row per 64
     columns): 16 bytes per thread and cp.async, a warp covering 16 rows x 32 bytes."""
     return gl.BlockedLayout([1, 1, 4], [1, 16, 2], [1, 4, 1], [2, 1, 0])
 
 
 @gluon.jit
-def _copy_fp4(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr,
-              PAGE_SHIFT: gl.constexpr, BN: gl.constexpr):
-    """Block ``i_b``'s packed rows (rows ``slot``) into ``stage_buf`` as 8 column blocks
-    ``[BN, 8 words]`` (the words of columns ``64 j .. 64 j + 63`` at ``j``) and its e4m3
-    scale bytes into ``scale_st``, by ``cp.async`` (for the caller to commit); returns which
-    rows are valid (invalid ones are zero-filled)."""
+def _copy_fp4_rows(dst, p_row, valid, j0: gl.constexpr, BN: gl.constexpr):
+    """The packed bytes of column blocks ``j0 .. j0 + 3`` of the rows at ``p_row`` (byte
+    pointers; zeros where not ``valid``) into ``dst [4, BN, 8]`` int32 words, by
+    ``cp.async`` (for the caller to commit)."""
     L3: gl.constexpr = _fp4_copy_layout()
-    kv, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-    p_row = (kv + gl.multiple_of(o_row, 16)).to(gl.pointer_type(gl.int32))
-    o_j = gl.arange(0, 8, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+    o_j = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
     o_w = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    raw = _reinterpret(stage_buf, gl.int32, [8, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-    _async_load(raw, p_row[None, :, None] + o_j * 8 + o_w, mask=valid[None, :, None])
+    _async_load(dst, p_row.to(gl.pointer_type(gl.int32))[None, :, None] + (j0 + o_j) * 8 + o_w,
+                mask=valid[None, :, None])
+
+
+@gluon.jit
+def _copy_fp4(staged, j0: gl.constexpr, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr,
+              PAGE_SHIFT: gl.constexpr, BN: gl.constexpr):
+    """Block ``i_b``'s packed bytes of column blocks 0..3 (rows ``slot``) into
+    ``staged[j0 .. j0 + 3]`` (``[BN, 8]`` words each) and its e4m3 scale bytes into
+    ``scale_st``, by ``cp.async`` (for the caller to commit). Returns each row's byte
+    pointer and whether it is valid, for the rest of the block (:func:`_copy_fp4_rows`)."""
+    kv, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+    p_row = kv + gl.multiple_of(o_row, 16)
+    _copy_fp4_rows(staged.slice(j0, 4), p_row, valid, 0, BN)
     SW: gl.constexpr = SCALE // 4
-    LS: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # rows as in L3: no layout conversion
+    LS: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # rows as in the copy layout
     p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, 16), gl.SliceLayout(1, LS))
     o_s = gl.arange(0, SW, gl.SliceLayout(0, LS))
     _async_load(scale_st.slice(0, SW, dim=1), p_scale.to(gl.pointer_type(gl.int32))[:, None] + o_s[None, :],
                 mask=gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None])
-    return valid
+    return p_row, valid
 
 
 @gluon.jit
-def _dequantize_fp4(stage_buf, tile, scales, BN: gl.constexpr):
-    """The staged packed rows (:func:`_copy_fp4`) -> bf16 columns of ``tile``, each value
-    times its e4m3 scale (``scales [BN, >= 32]`` bytes, one per 16 values); column block
-    ``j + 1`` is loaded before block ``j`` is stored, overlapping the loads' latency."""
+def _dequantize_fp4(raw, r0: gl.constexpr, tile, scales, j0: gl.constexpr, BN: gl.constexpr):
+    """Packed column blocks ``raw[r0 .. r0 + 3]`` (``[BN, 8]`` words each) -> bf16 column
+    blocks ``j0 .. j0 + 3`` of ``tile``, each value times its e4m3 scale (``scales [BN, >=
+    32]`` bytes, one per 16 values). Block ``j + 1`` is loaded before block ``j`` is stored,
+    which overlaps the loads' latency; the last store waits for every thread's loads, as it
+    may overwrite the packed bytes (column blocks 4..7 lie in the tile's last 8 KB)."""
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 4, 1], [4, 1, 1], [2, 1, 0])  # [BN, 4 scale blocks, 2 words]
-    raw = _reinterpret(stage_buf, gl.int32, [8, BN, 4, 2], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    words = _reinterpret(raw, gl.int32, [raw.shape[0], BN, 4, 2], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
     LE: gl.constexpr = gl.SliceLayout(2, LW)
-    x = raw.index(0).load(LW)
-    e = scales.slice(0, 4, dim=1).load(LE).expand_dims(2)
-    for j in gl.static_range(8):
-        if j + 1 < 8:
-            x_next = raw.index(j + 1).load(LW)
-            e_next = scales.slice(4 * (j + 1), 4, dim=1).load(LE).expand_dims(2)
-        tile.slice(64 * j, 64, dim=1).store(_convert_fp4(x, e))
-        if j + 1 < 8:
+    x = words.index(r0).load(LW)
+    e = scales.slice(4 * j0, 4, dim=1).load(LE).expand_dims(2)
+    for j in gl.static_range(4):
+        if j + 1 < 4:
+            x_next = words.index(r0 + j + 1).load(LW)
+            e_next = scales.slice(4 * (j0 + j + 1), 4, dim=1).load(LE).expand_dims(2)
+        else:
+            _cta_barrier()
+        tile.slice(64 * (j0 + j), 64, dim=1).store(_convert_fp4(x, e))
+        if j + 1 < 4:
             x, e = x_next, e_next
 
 
