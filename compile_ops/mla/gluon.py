@@ -413,26 +413,23 @@ def _dequantize_fp4(raw, r0: gl.constexpr, tile, scales, j0: gl.constexpr, BN: g
 
 
 # _convert_fp4's PTX: a word ($8, eight e2m1 codes, the first in the low nibble) and its
-# block's scale as a bf16 pair ($9) into eight bf16 values $0..$7. For four codes (one
-# half-word) at a time, two byte permutes look up the high and the low bytes of the bf16
-# magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (tables 0x40404040 3F3F3F00 and 0xC0804000 C0800000),
-# a third turns the sign bits into 0x80 bytes, two more interleave the bytes into two bf16
+# block's scale as a bf16 pair ($9) into eight bf16 values $0..$7; $10 / $11 and $12 / $13
+# are the high and low bytes of the bf16 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (byte tables
+# for prmt, passed in so that they stay in registers). For four codes (a half-word) at a
+# time: two byte permutes look the magnitudes' bytes up, a third spreads the four sign bits
+# over bytes (its sign-replicating mode: codes 1 and 3 have theirs in the top bit of bytes
+# of x, codes 0 and 2 in bytes of x << 4), two more interleave the bytes into two bf16
 # pairs, and one exact multiply each applies the scale (an e2m1 value times an e4m3 scale
 # has at most 6 significant bits: exact in bf16).
 _E2M1X8_TO_BF16 = gl.constexpr("""{
-.reg .b32 m, h, l, s, w, t, v, hl, hh, ll, lh;
-mov.b32 hl, 0x3F3F3F00;
-mov.b32 hh, 0x40404040;
-mov.b32 ll, 0xC0800000;
-mov.b32 lh, 0xC0804000;
-mov.b32 v, 0x8000;
-""" + "".join(f"""shr.b32 w, $8, {16 * half};
-and.b32 m, w, 0x7777;
-prmt.b32 h, hl, hh, m;
-prmt.b32 l, ll, lh, m;
-shr.b32 t, w, 3;
-and.b32 t, t, 0x1111;
-prmt.b32 s, v, 0, t;
+.reg .b32 m, m2, x4, h, l, s, w;
+and.b32 m, $8, 0x77777777;
+shr.b32 m2, m, 16;
+shl.b32 x4, $8, 4;
+""" + "".join(f"""prmt.b32 h, $10, $11, {sel};
+prmt.b32 l, $12, $13, {sel};
+prmt.b32 s, $8, x4, {signs};
+and.b32 s, s, 0x80808080;
 or.b32 h, h, s;
 prmt.b32 w, l, h, 0x5140;
 mul.rn.bf16x2 w, w, $9;
@@ -440,7 +437,7 @@ mov.b32 {{${4 * half}, ${4 * half + 1}}}, w;
 prmt.b32 w, l, h, 0x7362;
 mul.rn.bf16x2 w, w, $9;
 mov.b32 {{${4 * half + 2}, ${4 * half + 3}}}, w;
-""" for half in (0, 1)) + "}")
+""" for half, sel, signs in ((0, "m", "0x9D8C"), (1, "m2", "0xBFAE"))) + "}")
 
 
 @gluon.jit
@@ -449,7 +446,13 @@ def _convert_fp4(x, e):
     their blocks' e4m3 scale bytes ``e [rows, blocks, 1]`` -> ``[rows, 16 * blocks]`` bf16."""
     scale = e.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(gl.bfloat16).to(gl.int16, bitcast=True)
     scale = scale.to(gl.int32) & 0xFFFF
-    k = gl.inline_asm_elementwise(_E2M1X8_TO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [x, scale | (scale << 16)],
+    L: gl.constexpr = x.type.layout
+    t0 = gl.full(x.shape, 0x3F3F3F00, gl.int32, L)
+    t1 = gl.full(x.shape, 0x40404040, gl.int32, L)
+    t2 = gl.full(x.shape, 0xC0800000 - (1 << 32), gl.int32, L)
+    t3 = gl.full(x.shape, 0xC0804000 - (1 << 32), gl.int32, L)
+    k = gl.inline_asm_elementwise(_E2M1X8_TO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r",
+                                  [x, scale | (scale << 16), t0, t1, t2, t3],
                                   (gl.bfloat16, ) * 8, is_pure=True, pack=1)
     # value v of word w is column 8 w + v
     k = gl.join(gl.join(gl.join(k[0], k[4]), gl.join(k[2], k[6])), gl.join(gl.join(k[1], k[5]), gl.join(k[3], k[7])))
