@@ -239,7 +239,7 @@ def _produce(bufs, i_b0, i_b1, base, slot_args, NOPE: gl.constexpr, BLOCK: gl.co
     blocks ahead: loaded one block ahead, ptxas placed their first use before this block's
     copies, which then waited for the index load. Returns with no copy in flight."""
     kbuf, stage_buf, scale_buf, bias, ready, empty = bufs
-    _, _, _, nb_swa, seg = slot_args
+    nb_swa, seg = slot_args[3], slot_args[4]
     n = i_b1 - i_b0
     if NOPE == 0:  # 16 bytes per thread and cp.async, 4 rows of 128 bytes per warp and copy
         LC: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -314,7 +314,7 @@ def _produce_fp4(bufs, i_b0, n, base, slot_args, DATA: gl.constexpr, SCALE: gl.c
     block ``i`` is converted; those of columns 256..511 go into the last 8 KB of their own
     tile once it is free, and are converted in place after the staged ones."""
     kbuf, stage_buf, scale_buf, bias, ready, empty = bufs
-    _, _, _, nb_swa, seg = slot_args
+    nb_swa, seg = slot_args[3], slot_args[4]
     o_r = gl.arange(0, BN, gl.SliceLayout(0, gl.SliceLayout(2, _fp4_copy_layout())))
     scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, SROW], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     staged = _reinterpret(stage_buf, gl.int32, [8, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
