@@ -31,7 +31,8 @@
 from graphs.attention import Compressor, DSV41Attention, Indexer, RMSNorm, Shared
 from graphs.checkpoint import load_attention_weights
 from graphs.fp8 import Fp8Linear
-from graphs.config import PRESETS, TINY, TINY_V41, V4_FLASH, V4_PRO, V41_FLASH, AttentionConfig, CacheConfig
+from graphs.config import (PRESETS, TINY, TINY_V41, V4_FLASH, V4_PRO, V41_CACHE_FORMATS, V41_FLASH, AttentionConfig,
+                           CacheConfig)
 from graphs.memory import buffer_bytes
 from graphs.metadata import Geometry, StepInputs, StepMetadata, StepRows, step_inputs
 from graphs.pages import PageAllocator, PagePool
@@ -63,6 +64,7 @@ __all__ = [
     "StepRunner",
     "TINY",
     "TINY_V41",
+    "V41_CACHE_FORMATS",
     "V41_FLASH",
     "V41_FLASH_PLAN",
     "V4_FLASH",

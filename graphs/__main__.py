@@ -44,7 +44,8 @@ import compile_ops
 from compile_ops._cli import description
 from compile_ops.formats import KV_FORMATS
 from compile_ops.indexer.cache import INDEX_FORMATS
-from graphs import DEFAULT_BUCKETS, PRESETS, TINY, V41_FLASH, CacheConfig, DSV41Attention, StepRunner, buffer_bytes
+from graphs import (DEFAULT_BUCKETS, PRESETS, TINY, V41_CACHE_FORMATS, V41_FLASH, CacheConfig, DSV41Attention, StepRunner,
+                    buffer_bytes)
 from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
                           time_large_steps, time_page_planning, time_prefill, time_replay, read_weight_bytes, weight_bytes)
 from graphs.fp8 import FP8_WEIGHTS_REL_TOL, dequantized_state_dict
@@ -74,12 +75,13 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--decode", type=int, default=16, help="tokens each request decodes after its prompt (default: 16)")
     p.add_argument("--drafts", type=int, default=3, help="draft tokens per multi-token step (default: 3)")
     p.add_argument("--kv-format", choices=sorted(KV_FORMATS),
-                   help="cache format (default: fp8_dsv41 on GPU, bf16 on CPU)")
+                   help="cache format (default: with --stack fp8_dsv41, DeepSeek-V4.1's; else fp8_dsv41 on GPU, bf16 on "
+                        "CPU)")
     p.add_argument("--cmp-kv-format", choices=sorted(KV_FORMATS),
-                   help="the compressed cache's format when not --kv-format's (DeepSeek-V4.1: fp4_dsv41; attention over "
-                        "two formats runs on sparse_mla's reference backend) (default: --kv-format)")
-    p.add_argument("--index-format", choices=sorted(INDEX_FORMATS), default="fp8",
-                   help="the index-key cache's format (DeepSeek-V4.1: fp4) (default: fp8)")
+                   help="the compressed cache's format when not --kv-format's (default: with --stack fp4_dsv41, "
+                        "DeepSeek-V4.1's; else --kv-format)")
+    p.add_argument("--index-format", choices=sorted(INDEX_FORMATS),
+                   help="the index-key cache's format (default: with --stack fp4, DeepSeek-V4.1's; else fp8)")
     p.add_argument("--backend", default="auto",
                    help="backend of every op family (sparse_mla, slots, combine, kv, indexer, linear): auto, "
                         "reference or triton; a backend only some families have (gluon, flashmla, flashinfer, "
@@ -107,8 +109,14 @@ def parse_args(argv) -> argparse.Namespace:
         p.error(f"--drafts must be >= 0, got {args.drafts}")
     try:
         args.device = torch.device(args.device)
+        if args.stack:  # DeepSeek-V4.1's own formats, where not given
+            for name, fmt in V41_CACHE_FORMATS.items():
+                if getattr(args, name) is None:
+                    setattr(args, name, fmt)
         if args.kv_format is None:
             args.kv_format = "fp8_dsv41" if args.device.type == "cuda" else "bf16"
+        if args.index_format is None:
+            args.index_format = "fp8"
         known = {name for family in OP_FAMILIES for name in compile_ops.backends.backends(family)} | {"auto"}
         if args.backend not in known:
             raise ValueError(f"--backend must be 'auto' or one of {sorted(known - {'auto'})}, got {args.backend!r}")

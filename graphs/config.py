@@ -194,8 +194,8 @@ class CacheConfig:
             entry, e4m3 products), ``"fp4"`` (68 B, DeepSeek-V4.1's) or ``"bf16"``
             (``compile_ops.indexer.cache``).
         cmp_kv_format: format of the compressed cache when it is not ``kv_format``
-            (DeepSeek-V4.1: ``"fp4_dsv41"`` entries beside an ``"fp8_dsv41"`` window; attention
-            over two formats runs on ``sparse_mla``'s reference backend for now); ``None``: the same.
+            (DeepSeek-V4.1: ``"fp4_dsv41"`` entries beside an ``"fp8_dsv41"`` window, which
+            ``sparse_mla``'s kernels read in one call); ``None``: the same.
         max_rewind: how far a step may go back into positions its request already wrote
             (rejected draft tokens): a step of a request may start at any position from
             ``high + 1 - max_rewind`` to ``length``, where ``high`` is the highest position
@@ -341,3 +341,6 @@ TINY = AttentionConfig(
 TINY_V41 = replace(TINY, name="tiny-v4.1", arch="v4.1", compress_ratios=(0, 1, 2), overlap_ratios=(), dense_ratios=(),
                    norm_eps=1e-20)
 PRESETS = {c.name: c for c in (V41_FLASH, V4_FLASH, V4_PRO, TINY, TINY_V41)}
+# DeepSeek-V4.1's own cache formats (its inference code's fake-quantization): the window in
+# fp8, compressed entries and index keys in fp4; CacheConfig(..., **V41_CACHE_FORMATS)
+V41_CACHE_FORMATS = {"kv_format": "fp8_dsv41", "cmp_kv_format": "fp4_dsv41", "index_format": "fp4"}

@@ -88,6 +88,17 @@ def test_graphs_help_states_the_defaults_it_runs(capsys):
     assert graphs_main.DEFAULT_RATIOS == (1, 2)
 
 
+def test_graphs_stack_defaults_to_deepseek_v41_cache_formats():
+    """``--stack`` serves DeepSeek-V4.1's own formats unless told otherwise; the single
+    layer keeps its defaults (bf16 on the CPU, fp8 index keys)."""
+    args = graphs_main.parse_args(["--device", "cpu", "--stack"])
+    assert (args.kv_format, args.cmp_kv_format, args.index_format) == ("fp8_dsv41", "fp4_dsv41", "fp4")
+    args = graphs_main.parse_args(["--device", "cpu", "--stack", "--index-format", "fp8", "--kv-format", "bf16"])
+    assert (args.kv_format, args.cmp_kv_format, args.index_format) == ("bf16", "fp4_dsv41", "fp8")
+    args = graphs_main.parse_args(["--device", "cpu"])
+    assert (args.kv_format, args.cmp_kv_format, args.index_format) == ("bf16", None, "fp8")
+
+
 @pytest.mark.parametrize("argv, status, says", [
     (["--help"], 0, "{sparse-mla,slots,dcp,indexer,linear}"),
     ([], 2, "required: benchmark"),

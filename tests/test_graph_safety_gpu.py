@@ -27,9 +27,7 @@ def no_host_sync():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_format", sorted(KV_FORMATS))
 def test_ops_make_no_host_sync(backend, kv_format, no_host_sync):
-    # no Triton kernel reads e2m1 entries yet: the reference's sparse_mla serves fp4_dsv41
-    mla = "reference" if backend == "triton" and KV_FORMATS[kv_format].fp4 else backend
-    with compile_ops.use_backends(sparse_mla=mla, slots=backend, combine=backend, kv=backend):
+    with compile_ops.use_backends(sparse_mla=backend, slots=backend, combine=backend, kv=backend):
         cache = new_cache(kv_format, 4, 64, device="cuda")
         slots = torch.arange(-1, 255, device="cuda", dtype=torch.int32)
         compile_ops.write_kv(cache, slots, torch.randn(256, 512, device="cuda"), kv_format)

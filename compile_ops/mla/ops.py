@@ -164,12 +164,12 @@ Args:
         or all three ``None``.
     sink: ``[H]`` fp32 attention-sink logits, or ``None``; ``-inf`` has no effect.
     sm_scale: softmax scale applied to ``<q, k>``.
-    kv_format: ``"bf16"``, ``"fp8"``, ``"fp8_ds_mla"``, ``"fp8_dsv41"`` or ``"fp4_dsv41"``
-        (read by the reference backend only, for now).
+    kv_format: ``"bf16"``, ``"fp8"``, ``"fp8_ds_mla"``, ``"fp8_dsv41"`` or ``"fp4_dsv41"``.
     kv_scale: per-tensor scale of the ``"fp8"`` format (ignored by the others).
     cmp_kv_format: the compressed cache's format when it is not ``kv_format`` (DeepSeek-V4.1:
         ``"fp8_dsv41"`` window rows, ``"fp4_dsv41"`` compressed entries); ``None``: the same.
-        Calls of two formats run on the reference backend for now.
+        The Triton and Gluon kernels read two formats that both have per-block scales; other
+        pairs run on the reference backend.
 
 Returns:
     ``(out [T, H, 512] bf16, lse [T, H] fp32, base 2)``.
