@@ -164,3 +164,27 @@ def test_decode_replay_launches_within_its_budget(replayed):
     launches = profile_kernels(runner.graphs[runner.bucket_for(1)].replay).count
     print(f"batch-1 decode replay: {launches} kernels")
     assert launches <= DECODE_KERNELS, f"a batch-1 decode replay runs {launches} kernels, over {DECODE_KERNELS}"
+
+
+def test_v41_cache_formats_replay_passes_the_oracle():
+    """DeepSeek-V4.1's own cache formats (fp8 window, fp4 compressed entries and index keys;
+    ``sparse_mla`` reads both caches in one call): the workload replayed from the captured
+    graphs, with no host sync, passes the oracle that rounds each cache to its format; one
+    Dynamo graph, no break."""
+    from torch._dynamo.utils import counters
+
+    from graphs import V41_CACHE_FORMATS
+
+    layer = flash_layer(2, torch.device("cuda"), **V41_CACHE_FORMATS)
+    torch._dynamo.reset()
+    counters.clear()
+    runner = StepRunner(layer)
+    runner.capture()
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+    xs = hidden_states(WORKLOAD, layer.cfg.dim, seed=3, device=layer.swa_cache.device)
+    with torch.no_grad():
+        got, ids = run_workload(runner.step, WORKLOAD, xs, watch=layer.topk_ids, release=runner.release,
+                                sync_debug="error")
+    verdict = oracle_verdict(layer, xs, got, ids)
+    print(verdict.verdict())
+    assert verdict.passed, verdict.verdict()
