@@ -262,14 +262,14 @@ def _produce(bufs, i_b0, i_b1, base, slot_args, NOPE: gl.constexpr, BLOCK: gl.co
             async_copy.mbarrier_arrive(ready.index(st))
             _cta_barrier()
             mbarrier.arrive(ready.index(st), count=1)
-    elif FP4:
-        _produce_fp4(bufs, i_b0, n, base, slot_args, DATA, SCALE, SROW, PAGE_SHIFT, BN, STAGES)
     else:
         # fp8: raw column blocks 0..3 of block i + 1 (and its scale bytes) go by cp.async into
         # `stage_buf` while block i is converted, so their latency overlaps it; the rest of
         # a block's raw bytes (and fp8_ds_mla's bf16 RoPE columns) go into its tile once it
-        # is free (see _copy_tile), and are converted in place after the staged ones
-        L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _copy_layout()))
+        # is free (see _copy_tile), and are converted in place after the staged ones. fp4:
+        # the same with the packed bytes, those of columns 0..255 staged (8 KB), those of
+        # columns 256..511 in the tile's last 8 KB
+        L_ROW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, _fp4_copy_layout() if FP4 else _copy_layout()))
         o_r = gl.arange(0, BN, L_ROW)
         NCB: gl.constexpr = NOPE // 64
         if _tensor_scaled(NOPE, BLOCK):  # no scale bytes: ``scale_buf`` is the key tiles, never read as scales
@@ -277,7 +277,7 @@ def _produce(bufs, i_b0, i_b1, base, slot_args, NOPE: gl.constexpr, BLOCK: gl.co
         else:
             scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, SROW], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         rows_next = _copy_staged(stage_buf, scale_buf.index(base % STAGES), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
-                                 nb_swa, seg, DATA, SCALE, PAGE_SHIFT, NOPE, BLOCK, BN)
+                                 nb_swa, seg, DATA, SCALE, PAGE_SHIFT, NOPE, BLOCK, FP4, BN)
         async_copy.commit_group()
         slot_next = _slots(i_b0 + 1, o_r, n > 1, *slot_args, BN)
         for i in range(n):
@@ -287,68 +287,29 @@ def _produce(bufs, i_b0, i_b1, base, slot_args, NOPE: gl.constexpr, BLOCK: gl.co
             tile = kbuf.index(st)
             mbarrier.wait(empty.index(st), (((base + i) // STAGES) & 1) ^ 1)
             bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
-            _copy_tile(tile, p_row, valid, NOPE, BLOCK, BN)
+            _copy_tile(tile, p_row, valid, NOPE, BLOCK, FP4, BN)
             async_copy.commit_group()
             async_copy.wait_group(1)  # block i's staged bytes have landed
             _cta_barrier()
-            _dequantize(stage_buf, 4, 0, tile, scales.index(st), 0, 4, NOPE, BLOCK, BN)
+            if FP4:
+                _dequantize_fp4(stage_buf, 8, 0, tile, scales.index(st), 0, BN)
+            else:
+                _dequantize(stage_buf, 4, 0, tile, scales.index(st), 0, 4, NOPE, BLOCK, BN)
             _cta_barrier()  # every thread has read the staged bytes
             rows_next = _copy_staged(stage_buf, scale_buf.index((base + i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa, seg,
-                                     DATA, SCALE, PAGE_SHIFT, NOPE, BLOCK, BN)
+                                     DATA, SCALE, PAGE_SHIFT, NOPE, BLOCK, FP4, BN)
             slot_next = slot_after
             async_copy.commit_group()
             async_copy.wait_group(1)  # block i's tile part has landed
             _cta_barrier()
-            _dequantize(tile, 16, _raw_offset(NOPE), tile, scales.index(st), 4, NCB, NOPE, BLOCK, BN)
+            if FP4:
+                _dequantize_fp4(tile, 32, 28, tile, scales.index(st), 4, BN)
+            else:
+                _dequantize(tile, 16, _raw_offset(NOPE), tile, scales.index(st), 4, NCB, NOPE, BLOCK, BN)
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(ready.index(st), count=1)
         async_copy.wait_group(0)  # the (masked) staged copy past the last block: nothing in flight
-
-
-@gluon.jit
-def _produce_fp4(bufs, i_b0, n, base, slot_args, DATA: gl.constexpr, SCALE: gl.constexpr, SROW: gl.constexpr,
-                 PAGE_SHIFT: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    """``fp4_dsv41`` blocks, pipelined as the fp8 ones: the packed bytes of columns 0..255
-    (8 KB) of block ``i + 1`` and its scales go by ``cp.async`` into ``stage_buf`` while
-    block ``i`` is converted; those of columns 256..511 go into the last 8 KB of their own
-    tile once it is free, and are converted in place after the staged ones."""
-    kbuf, stage_buf, scale_buf, bias, ready, empty = bufs
-    nb_swa, seg = slot_args[3], slot_args[4]
-    o_r = gl.arange(0, BN, gl.SliceLayout(0, gl.SliceLayout(2, _fp4_copy_layout())))
-    scales = _reinterpret(scale_buf, gl.uint8, [STAGES, BN, SROW], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    staged = _reinterpret(stage_buf, gl.int32, [8, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-    rows_next = _copy_fp4(staged, 0, scale_buf.index(base % STAGES), _slots(i_b0, o_r, n > 0, *slot_args, BN), i_b0,
-                          nb_swa, seg, DATA, SCALE, PAGE_SHIFT, BN)
-    async_copy.commit_group()
-    slot_next = _slots(i_b0 + 1, o_r, n > 1, *slot_args, BN)
-    for i in range(n):
-        st = (base + i) % STAGES
-        p_row, valid = rows_next
-        slot_after = _slots(i_b0 + i + 2, o_r, i + 2 < n, *slot_args, BN)
-        tile = kbuf.index(st)
-        # the tile as 32 raw column blocks of 2 KB: its last 8 KB (bf16 column block 7) take
-        # the packed bytes of column blocks 4..7
-        in_tile = _reinterpret(tile, gl.int32, [32, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-        mbarrier.wait(empty.index(st), (((base + i) // STAGES) & 1) ^ 1)
-        bias.index(st).store(gl.where(valid, 0.0, float("-inf")))
-        _copy_fp4_rows(in_tile.slice(28, 4), p_row, valid, 4, BN)
-        async_copy.commit_group()
-        async_copy.wait_group(1)  # block i's staged bytes have landed
-        _cta_barrier()
-        _dequantize_fp4(staged, 0, tile, scales.index(st), 0, BN)
-        _cta_barrier()  # every thread has read the staged bytes
-        rows_next = _copy_fp4(staged, 0, scale_buf.index((base + i + 1) % STAGES), slot_next, i_b0 + i + 1, nb_swa,
-                              seg, DATA, SCALE, PAGE_SHIFT, BN)
-        slot_next = slot_after
-        async_copy.commit_group()
-        async_copy.wait_group(1)  # block i's tile part has landed
-        _cta_barrier()
-        _dequantize_fp4(in_tile, 28, tile, scales.index(st), 4, BN)
-        fence_async_shared()
-        _cta_barrier()
-        mbarrier.arrive(ready.index(st), count=1)
-    async_copy.wait_group(0)  # the (masked) staged copy past the last block: nothing in flight
 
 
 @gluon.constexpr_function
@@ -371,15 +332,14 @@ def _copy_fp4_rows(dst, p_row, valid, j0: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _copy_fp4(staged, j0: gl.constexpr, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr,
+def _copy_fp4(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr,
               PAGE_SHIFT: gl.constexpr, BN: gl.constexpr):
-    """Block ``i_b``'s packed bytes of column blocks 0..3 (rows ``slot``) into
-    ``staged[j0 .. j0 + 3]`` (``[BN, 8]`` words each) and its e4m3 scale bytes into
-    ``scale_st``, by ``cp.async`` (for the caller to commit). Returns each row's byte
-    pointer and whether it is valid, for the rest of the block (:func:`_copy_fp4_rows`)."""
+    """:func:`_copy_staged` for ``fp4_dsv41``: block ``i_b``'s packed bytes of column
+    blocks 0..3 (rows ``slot``) into the first 8 KB of ``stage_buf`` (``[BN, 8]`` words
+    each) and its e4m3 scale bytes into ``scale_st``."""
     kv, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
     p_row = kv + gl.multiple_of(o_row, 16)
-    _copy_fp4_rows(staged.slice(j0, 4), p_row, valid, 0, BN)
+    _copy_fp4_rows(_packed_words(stage_buf, 8, BN).slice(0, 4), p_row, valid, 0, BN)
     SW: gl.constexpr = SCALE // 4
     LS: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # rows as in the copy layout
     p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, 16), gl.SliceLayout(1, LS))
@@ -390,14 +350,21 @@ def _copy_fp4(staged, j0: gl.constexpr, scale_st, slot, i_b, nb_swa, seg, DATA: 
 
 
 @gluon.jit
-def _dequantize_fp4(raw, r0: gl.constexpr, tile, scales, j0: gl.constexpr, BN: gl.constexpr):
-    """Packed column blocks ``raw[r0 .. r0 + 3]`` (``[BN, 8]`` words each) -> bf16 column
+def _packed_words(buf, NB: gl.constexpr, BN: gl.constexpr):
+    """``buf`` (the staging buffer: ``NB = 8``, or a key tile: ``NB = 32``) as ``NB``
+    packed fp4 column blocks of words ``[NB, BN, 8]`` (2 KB each)."""
+    return _reinterpret(buf, gl.int32, [NB, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+
+
+@gluon.jit
+def _dequantize_fp4(raw, NB: gl.constexpr, r0: gl.constexpr, tile, scales, j0: gl.constexpr, BN: gl.constexpr):
+    """Packed column blocks ``r0 .. r0 + 3`` of ``raw`` (:func:`_packed_words`) -> bf16 column
     blocks ``j0 .. j0 + 3`` of ``tile``, each value times its e4m3 scale (``scales [BN, >=
     32]`` bytes, one per 16 values). Block ``j + 1`` is loaded before block ``j`` is stored,
     which overlaps the loads' latency; the last store waits for every thread's loads, as it
     may overwrite the packed bytes (column blocks 4..7 lie in the tile's last 8 KB)."""
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 4, 1], [4, 1, 1], [2, 1, 0])  # [BN, 4 scale blocks, 2 words]
-    words = _reinterpret(raw, gl.int32, [raw.shape[0], BN, 4, 2], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+    words = _reinterpret(raw, gl.int32, [NB, BN, 4, 2], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
     LE: gl.constexpr = gl.SliceLayout(2, LW)
     x = words.index(r0).load(LW)
     e = scales.slice(4 * j0, 4, dim=1).load(LE).expand_dims(2)
@@ -503,34 +470,48 @@ def _copy_layout():
 
 @gluon.jit
 def _copy_staged(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA: gl.constexpr, SCALE: gl.constexpr,
-                 PAGE_SHIFT: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, BN: gl.constexpr):
+                 PAGE_SHIFT: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, FP4: gl.constexpr,
+                 BN: gl.constexpr):
     """Block ``i_b``'s raw column blocks 0..3 (rows ``slot``) into ``stage_buf`` and its scale
-    bytes into ``scale_st``, by ``cp.async`` (for the caller to commit). Returns each row's
-    pointer and whether it is valid, for the rest of the block (:func:`_copy_tile`)."""
-    L3: gl.constexpr = _copy_layout()
-    kv, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
-    p_byte = kv + gl.multiple_of(o_row, 16)
-    p_row = p_byte.to(gl.pointer_type(gl.int32))
-    o_j = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
-    o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    _async_load(stage_buf, p_row[None, :, None] + o_j * 16 + o_w,
-                                           mask=valid[None, :, None])
-    if not _tensor_scaled(NOPE, BLOCK):
-        SW: gl.constexpr = SCALE // 4
-        LS: gl.constexpr = gl.BlockedLayout([1, SW], [8, 4], [4, 1], [1, 0])  # rows as in L3: no layout conversion
-        p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, SCALE), gl.SliceLayout(1, LS))
-        o_s = gl.arange(0, SW, gl.SliceLayout(0, LS))
-        _async_load(
-            scale_st.slice(0, SW, dim=1), p_scale.to(gl.pointer_type(gl.int32))[:, None] + o_s[None, :],
-            mask=gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None])
+    bytes into ``scale_st``, by ``cp.async`` (for the caller to commit); ``FP4``:
+    :func:`_copy_fp4`. Returns each row's pointer and whether it is valid, for the rest of
+    the block (:func:`_copy_tile`)."""
+    if FP4:
+        p_byte, valid = _copy_fp4(stage_buf, scale_st, slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT, BN)
+    else:
+        L3: gl.constexpr = _copy_layout()
+        kv, o_row, o_scale, valid = _row_offsets(slot, i_b, nb_swa, seg, DATA, SCALE, PAGE_SHIFT)
+        p_byte = kv + gl.multiple_of(o_row, 16)
+        p_row = p_byte.to(gl.pointer_type(gl.int32))
+        o_j = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
+        o_w = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+        _async_load(stage_buf, p_row[None, :, None] + o_j * 16 + o_w, mask=valid[None, :, None])
+        if not _tensor_scaled(NOPE, BLOCK):
+            SW: gl.constexpr = SCALE // 4
+            LS: gl.constexpr = gl.BlockedLayout([1, SW], [8, 4], [4, 1], [1, 0])  # rows as in L3: no layout conversion
+            p_scale = gl.convert_layout(kv + gl.multiple_of(o_scale, SCALE), gl.SliceLayout(1, LS))
+            o_s = gl.arange(0, SW, gl.SliceLayout(0, LS))
+            _async_load(
+                scale_st.slice(0, SW, dim=1), p_scale.to(gl.pointer_type(gl.int32))[:, None] + o_s[None, :],
+                mask=gl.convert_layout(valid, gl.SliceLayout(1, LS))[:, None])
     return p_byte, valid
 
 
 @gluon.jit
-def _copy_tile(tile, p_row, valid, NOPE: gl.constexpr, BLOCK: gl.constexpr, BN: gl.constexpr):
+def _copy_tile(tile, p_row, valid, NOPE: gl.constexpr, BLOCK: gl.constexpr, FP4: gl.constexpr, BN: gl.constexpr):
     """A block's raw column blocks ``r >= 4`` into its (free) tile at ``raw[_raw_offset + r]``
     (4 KB each), and ``fp8_ds_mla``'s bf16 RoPE columns straight into columns 448..511, by
-    ``cp.async`` (for the caller to commit)."""
+    ``cp.async`` (for the caller to commit); ``FP4``: the packed bytes of columns 256..511
+    into the tile's last 8 KB (packed column blocks 28..31 of :func:`_packed_words`)."""
+    if FP4:
+        _copy_fp4_rows(_packed_words(tile, 32, BN).slice(28, 4), p_row, valid, 4, BN)
+    else:
+        _copy_fp8_tile(tile, p_row, valid, NOPE, BLOCK, BN)
+
+
+@gluon.jit
+def _copy_fp8_tile(tile, p_row, valid, NOPE: gl.constexpr, BLOCK: gl.constexpr, BN: gl.constexpr):
+    """:func:`_copy_tile` for the fp8 formats."""
     L3: gl.constexpr = _copy_layout()
     NCB: gl.constexpr = NOPE // 64
     RB: gl.constexpr = _raw_offset(NOPE) + 4
