@@ -9,7 +9,10 @@ blocks (SWA blocks first), and runs three warpgroups:
   shared memory: ``bf16`` rows by ``cp.async`` straight into the MMA layout; the fp8
   formats' raw bytes by ``cp.async`` into a staging buffer and the tile, converted in place
   (``cvt.rn.f16x2.e4m3x2``, then one exact ``mul.rn.bf16x2`` by the UE8M0 scale per two
-  values). Slots are loaded two blocks ahead, so no copy waits for an index load;
+  values); ``fp4_dsv41``'s packed bytes the same way, widened by byte-permute table
+  lookups and one exact multiply by the e4m3 scale per two values. With two formats in one
+  call the window's blocks are produced in its format, then the compressed ones in theirs.
+  Slots are loaded two blocks ahead, so no copy waits for an index load;
 * consumer **warpgroup 0** computes ``S = Q K^T`` (``wgmma`` m64n64, reading Q once), the
   online softmax and ``O[:, :256] += P K[:, :256]``, and hands ``P`` and the rescale factor
   to

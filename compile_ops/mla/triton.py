@@ -16,7 +16,10 @@ How it is computed (sources of the technique):
   in registers to bf16 (UE8M0 scale = exponent bits, so ``e4m3 * 2^e`` is exact in bf16),
   and consumed twice: ``S = Q K^T`` and ``O += P K`` (FlashMLA's Hopper FP8 sparse-decoding
   notes: dequantize to bf16 once per tile, MMA in bf16). ``fp8``'s per-tensor ``kv_scale``
-  is folded into the score scale and the output instead, which is exact.
+  is folded into the score scale and the output instead, which is exact. ``fp4_dsv41``
+  entries are e2m1 values times their e4m3 scale, also exact in bf16. A call of two formats
+  (``cmp_kv_format``) runs the block loop twice, over the window's blocks in its format and
+  then over the compressed blocks in theirs.
 * Online softmax in base 2 with a running max and sum (FlashAttention-2).
 * Small ``T``: the entries of a token are split over ``n_split`` programs whose partial
   ``(o, lse)`` land in the call's workspace and are merged by LSE in a second kernel,
