@@ -82,52 +82,43 @@ def e2m1_value(code):
     return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
-# e2m1_bytes_to_bf16's PTX: a byte ($2, two e2m1 codes) and its block's lookup tables ($3 / $4:
-# the high bytes of magnitudes 0-3 / 4-7, $5 / $6: the low bytes) into the two bf16 values
-# $0 (low nibble) and $1: the magnitudes select both bytes from the tables, the signs a
-# 0x00 / 0x80 byte each, and one more permute interleaves them
-_E2M1X2_TO_BF16 = tl.constexpr("""{
-.reg .b32 m, h, l, s, v;
-and.b32 m, $2, 0x77;
-prmt.b32 h, $3, $4, m;
-prmt.b32 l, $5, $6, m;
-shr.b32 s, $2, 3;
-and.b32 s, s, 0x11;
-mov.b32 v, 0x8000;
-prmt.b32 s, v, 0, s;
-or.b32 h, h, s;
-prmt.b32 v, l, h, 0x5140;
-mov.b32 {$0, $1}, v;
+# e2m1_as_e4m3's PTX: four bytes ($2) of two e2m1 codes each into the e4m3 bytes of their low
+# ($0) and high ($1) nibbles: a code s mmm moves to s 000 mmm 00, its value times 2**-6
+_E2M1X8_TO_E4M3 = tl.constexpr("""{
+.reg .b32 a, b;
+shl.b32 a, $2, 4;
+and.b32 a, a, 0x80808080;
+shl.b32 b, $2, 2;
+and.b32 b, b, 0x1C1C1C1C;
+or.b32 $0, a, b;
+shr.b32 b, $2, 2;
+and.b32 b, b, 0x1C1C1C1C;
+and.b32 a, $2, 0x80808080;
+or.b32 $1, a, b;
 }""")
 
 
 @triton.jit
-def e2m1_bytes_to_bf16(packed, exponent):
-    """bf16 ``(lo, hi)`` shaped like ``packed`` (uint8 bytes of two e2m1 codes, the low nibble
-    first): each nibble's value times ``2 ** (exponent - 127)``, ``exponent`` (int32, like
-    ``packed``) the ue8m0 byte of its block; exact for exponents 2..252 (at 1, a 0.5 code,
-    2**-127, reads as 0). CUDA only (inline PTX).
+def e2m1_as_e4m3(packed, UPCAST: tl.constexpr):
+    """e4m3 ``[..., 2 * n]`` of uint8 ``packed [..., n]`` (two e2m1 codes a byte, the low
+    nibble first): each code's value times ``2**-6``, exactly. e2m1 ``s e e m`` (exponent bias
+    1) placed as e4m3 ``s 0 e e m 0 0`` keeps its sign, mantissa and subnormal, and e4m3's
+    exponent bias is 6 larger: two byte masks and shifts per four values, where widening to
+    bf16 takes four byte permutes per two (the tensor cores take e4m3, not e2m1)."""
+    if UPCAST:  # the interpreter runs no PTX: the same bits in byte arithmetic
+        lo = ((packed & 8) << 4) | ((packed & 7) << 2)
+        hi = (packed & 128) | ((packed >> 2) & 28)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_E2M1X8_TO_E4M3, "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8),
+                                           is_pure=True, pack=4)
+    n: tl.constexpr = packed.shape[-1]
+    return tl.reshape(tl.join(lo, hi), [packed.shape[0], 2 * n]).to(tl.float8e4nv, bitcast=True)
 
-    bf16's bits of ``m * 2**(e - 127)`` for an e2m1 magnitude ``m`` are an exponent field
-    ``e + c`` (``c`` = -1, 0, 0, 1, 1, 2, 2 for codes 1-7) and a mantissa of 0 or 0x40, so
-    one block's 8 high and 8 low bytes make 4 byte tables (from ``exponent``, the same
-    registers for a block's bytes), and a byte costs two byte permutes as table lookups of
-    its two codes, a third for their signs and one more to interleave the bytes: about 4.5
-    instructions a value, where the arithmetic conversion (:func:`e2m1_value`, then a
-    multiply and a cast) takes about 12. One byte per call: the elements a thread holds
-    (in the MMA operand's layout) belong to different entries and blocks, so no two share
-    tables.
-    """
-    odd = (exponent & 1) << 7
-    even = 128 - odd  # the low bytes' exponent bit for e - 1 and e + 1
-    h1, h2, h3, h4 = (exponent - 1) >> 1, exponent >> 1, (exponent + 1) >> 1, (exponent + 2) >> 1
-    high_lo = (h1 << 8) | (h2 << 16) | (h2 << 24)
-    high_hi = h3 | (h3 << 8) | (h4 << 16) | (h4 << 24)
-    low_lo = (even << 8) | (odd << 16) | ((odd | 64) << 24)
-    low_hi = even | ((even | 64) << 8) | (odd << 16) | ((odd | 64) << 24)
-    return tl.inline_asm_elementwise(_E2M1X2_TO_BF16, "=h,=h,r,r,r,r,r",
-                                     [packed.to(tl.int32), high_lo, high_hi, low_lo, low_hi],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+@triton.jit
+def e2m1_code_as_e4m3(code):
+    """int32 e2m1 codes ``s mmm`` as e4m3 (their values times ``2**-6``, :func:`e2m1_as_e4m3`)."""
+    return (((code & 8) << 4) | ((code & 7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -143,6 +134,15 @@ def fp4_exponent(amax):
     (:func:`compile_ops.indexer.cache.fp4_exponent`)."""
     bits = (tl.maximum(amax, _FP4_UE8M0_AMAX_FLOOR) * _ONE_SIXTH).to(tl.int32, bitcast=True)
     return ((bits >> 23) & 255) + ((bits & 8388607) != 0).to(tl.int32)
+
+
+@triton.jit
+def e2m1_rows(x):
+    """fp32 rows ``x [N, 32]`` quantized as DeepSeek's ``fp4_act_quant`` (one power-of-two
+    scale per row, :func:`compile_ops.indexer.cache.quantize_e2m1`): ``(e2m1 codes [N, 32]
+    int32, ue8m0 exponents [N] int32)``."""
+    exponent = fp4_exponent(tl.max(tl.abs(x), 1))
+    return e2m1_code(tl.clamp(tl.math.div_rn(x, power_of_two(exponent)[:, None]), -6.0, 6.0)), exponent
 
 
 @triton.jit

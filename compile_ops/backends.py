@@ -165,6 +165,24 @@ def any_device(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
     return None
 
 
+def hopper_with_gluon(device: torch.device) -> Optional[str]:
+    """Predicate part of the Gluon backends: an sm_90 device and a Triton release whose Gluon
+    API and sm_90 builds are tested (``compile_ops.mla.ops.GLUON_TRITON``)."""
+    if device.type != "cuda":
+        return f"the Gluon kernels run on CUDA devices only, got {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"the Gluon kernels need sm_90 (Hopper wgmma), got sm_{capability[0]}{capability[1]}"
+    try:
+        import triton
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError as err:
+        return f"the Gluon kernels need triton with triton.experimental.gluon ({err})"
+    from compile_ops.mla.ops import gluon_triton_unsupported
+
+    return gluon_triton_unsupported(triton.__version__)
+
+
 def cuda_with_triton(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
     """Predicate of the Triton backends: a CUDA device and an importable triton."""
     if device.type != "cuda":

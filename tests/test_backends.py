@@ -64,9 +64,14 @@ def test_gluon_backend_priority_and_reason_off_gpu():
     the tl kernel), FlashInfer (never run on its GPUs) after them; off sm_90 an explicit
     choice of the Gluon kernel says why it cannot run."""
     assert compile_ops.backends.backends("sparse_mla") == ["gluon", "flashmla", "triton", "flashinfer", "reference"]
-    with compile_ops.use_backends(sparse_mla="gluon"):
-        with pytest.raises(ValueError, match="Gluon kernel runs on CUDA devices only"):
+    assert compile_ops.backends.backends("indexer") == ["gluon", "triton", "reference"]
+    with compile_ops.use_backends(sparse_mla="gluon", indexer="gluon"):
+        with pytest.raises(ValueError, match="Gluon kernels run on CUDA devices only"):
             compile_ops.backend_for("sparse_mla", "cpu")
+        with pytest.raises(ValueError, match="reads fp4 index keys only, got fp8"):
+            compile_ops.backend_for("indexer", "cpu", "fp8")
+        with pytest.raises(ValueError, match="Gluon kernels run on CUDA devices only"):
+            compile_ops.backend_for("indexer", "cpu", "fp4")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -85,7 +85,7 @@ def _none(args: IndexerArgs, width: int) -> tuple[Tensor, Tensor]:
 def _run(op: str, args: IndexerArgs):
     """The backend's ``op(args)``; all ``-1`` (``-inf``) when no token has an entry to score."""
     if args.q.shape[0] and args.block_table.shape[0] * args.block_table.shape[1] * args.cache.shape[1]:
-        return backends.implementation("indexer", op, args.q.device, None, args)(args)
+        return backends.implementation("indexer", op, args.q.device, args.fmt.name, args)(args)
     if op == "indexer_topk_and_candidates":
         return _none(args, args.k), _none(args, args.n_blocks)
     return _none(args, args.k)
@@ -251,6 +251,23 @@ def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, n_blocks
     return q.new_empty((q.shape[0], k), dtype=torch.int32), q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
 
 
+def _gluon_unavailable(device, index_format):
+    if index_format != "fp4":
+        return f"the Gluon scores kernel reads fp4 index keys only, got {index_format}"
+    return backends.hopper_with_gluon(device)
+
+
+def _gluon_limits(args):
+    from compile_ops.indexer.gluon import gluon_args_unsupported
+
+    return gluon_args_unsupported(args)
+
+
+# Gluon (sm_90, fp4 keys) first: the triton backend's top-k over its own scores kernel
+backends.register_backend("indexer", "gluon", _gluon_unavailable,
+                          {op: backends.imported("compile_ops.indexer.gluon", f"{op}_gluon")
+                           for op in ("indexer_topk", "indexer_candidates", "indexer_topk_and_candidates")},
+                          limits=_gluon_limits)
 backends.register_backend("indexer", "triton", backends.cuda_with_triton,
                           {op: backends.imported("compile_ops.indexer.triton", f"{op}_triton")
                            for op in ("indexer_topk", "indexer_candidates", "indexer_topk_and_candidates")},

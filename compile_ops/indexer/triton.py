@@ -45,8 +45,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops._triton_quant import (e2m1_bytes_to_bf16, e2m1_code, e2m1_value, fp4_exponent, power_of_two,
-                                      to_e4m3, ue8m0_exponent)
+from compile_ops._triton_quant import (e2m1_as_e4m3, e2m1_code_as_e4m3, e2m1_rows, power_of_two, to_e4m3,
+                                      ue8m0_exponent)
 from compile_ops.indexer.inputs import IndexerArgs
 from compile_ops.mla.plan import num_sms
 
@@ -85,6 +85,35 @@ def _sortable(x):
 
 
 @triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    """``a [M, K] @ b[N, K].T`` in fp32 (the interpreter's fp8 / bf16 products are not the
+    hardware's: it takes them in fp32)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+    return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def _fp4_query(p_q, m_h, g: tl.constexpr):
+    """Block ``g`` (values ``32 g .. 32 g + 31``) of a token's queries ``[HI, 32]`` quantized
+    like the keys (:func:`compile_ops.indexer.cache.quantize_e2m1`): ``(codes as e4m3 [HI,
+    32], scale [HI] fp32)``, the scale times ``2**12`` (the key's and the query's ``2**-6``
+    of :func:`e2m1_as_e4m3`)."""
+    code, exponent = e2m1_rows(tl.load(p_q + 32 * g, mask=m_h[:, None], other=0.0).to(tl.float32))
+    return e2m1_code_as_e4m3(code), power_of_two(exponent + 12)
+
+
+@triton.jit
+def _fp4_block_dot(base, off, m_c, b_e, b_q, q_scale, g: tl.constexpr, UPCAST: tl.constexpr):
+    """``[BN, HI]`` fp32 dots of block ``g`` of ``BN`` fp4 keys (page rows ``off`` at ``base``,
+    ue8m0 bytes ``b_e`` int32, four a key) with the queries' block ``g`` (:func:`_fp4_query`):
+    one 32-deep e4m3 product, then the two blocks' scales, exact powers of two."""
+    b_b = tl.load(base[:, None] + off[:, None] * 64 + 16 * g + tl.arange(0, 16)[None, :], mask=m_c[:, None], other=0)
+    k_scale = power_of_two((b_e >> (8 * g)) & 255)
+    return _dot(e2m1_as_e4m3(b_b, UPCAST), b_q, UPCAST) * k_scale[:, None] * q_scale[None, :]
+
+
+@triton.jit
 def _scores_kernel(
     q, w, t2r, n_entries, cache, keys, table, allowed, scores, n_out,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, T, R, L, num_slots, page_size, Hi, S,
@@ -100,18 +129,20 @@ def _scores_kernel(
     o_h = tl.arange(0, HI)
     o_d = tl.arange(0, 128)
     m_h = o_h < Hi
-    b_q = tl.load(q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], mask=m_h[:, None], other=0.0)
     b_w = tl.load(w + i_t * s_wt + o_h, mask=m_h, other=0.0)
+    if not FP4:
+        b_q = tl.load(q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], mask=m_h[:, None], other=0.0)
     if FP8:  # q gets the keys' quantizer (quantize_e4m3); its power-of-two scale joins the weights
         b_qf = b_q.to(tl.float32)
         exponent = ue8m0_exponent(tl.max(tl.abs(b_qf), 1))
         b_q = to_e4m3(b_qf * power_of_two(254 - exponent)[:, None])
         b_w = b_w * power_of_two(exponent)
-    if FP4:  # q fake-quantized like the keys (quantize_e2m1), exact in bf16
-        b_qb = tl.reshape(b_q.to(tl.float32), [HI, 4, 32])
-        q_scale = power_of_two(fp4_exponent(tl.max(tl.abs(b_qb), 2)))[:, :, None]
-        b_qb = e2m1_value(e2m1_code(tl.clamp(tl.math.div_rn(b_qb, q_scale), -6.0, 6.0))) * q_scale
-        b_q = tl.reshape(b_qb, [HI, 128]).to(tl.bfloat16)
+    if FP4:  # q quantized like the keys (quantize_e2m1): one e4m3 tile and scale per block of 32
+        p_q = q + i_t * s_qt + o_h[:, None] * s_qh + tl.arange(0, 32)[None, :]
+        q0, qs0 = _fp4_query(p_q, m_h, 0)
+        q1, qs1 = _fp4_query(p_q, m_h, 1)
+        q2, qs2 = _fp4_query(p_q, m_h, 2)
+        q3, qs3 = _fp4_query(p_q, m_h, 3)
     o_n = tl.arange(0, BN)
     for i in range(0, ITERS if ITERS > 0 else tl.cdiv(tl.maximum(nb_t - i_s, 0), S)):
         c = (i_s + i * S) * BN + o_n
@@ -124,35 +155,26 @@ def _scores_kernel(
             m_c = m_c & (tl.load(allowed + i_t * s_at + blk, mask=m_c & (blk < nb), other=0) != 0)
         page = tl.where(m_c, page, 0)
         base = cache + page * s_page
-        if FP4:  # 64 bytes of e2m1 pairs, then (after the page's rows) 4 ue8m0 bytes: bf16 keys
-            o_p = tl.arange(0, 64)
-            b_b = tl.load(base[:, None] + off[:, None] * 64 + o_p[None, :], mask=m_c[:, None], other=0)
-            b_e = tl.load(base[:, None] + page_size * 64 + off[:, None] * 4 + tl.arange(0, 4)[None, :],
-                          mask=m_c[:, None], other=127).to(tl.int32)
-            if UPCAST:  # the interpreter runs no PTX: the codes' values, times their scales
-                b_b = b_b.to(tl.int32)
-                b_v = tl.reshape(e2m1_value(tl.join(b_b & 15, b_b >> 4)), [BN, 4, 32]) * power_of_two(b_e)[:, :, None]
-                b_k = tl.reshape(b_v, [BN, 128]).to(tl.bfloat16)
+        b_scale = tl.full([BN], 1.0, tl.float32)
+        if FP4:  # 64 bytes of e2m1 pairs, then (after the page's rows) 4 ue8m0 bytes
+            b_e = tl.load((base + page_size * 64 + off * 4).to(tl.pointer_type(tl.int32)), mask=m_c, other=0)
+            b_dot = _fp4_block_dot(base, off, m_c, b_e, q0, qs0, 0, UPCAST)
+            b_dot += _fp4_block_dot(base, off, m_c, b_e, q1, qs1, 1, UPCAST)
+            b_dot += _fp4_block_dot(base, off, m_c, b_e, q2, qs2, 2, UPCAST)
+            b_dot += _fp4_block_dot(base, off, m_c, b_e, q3, qs3, 3, UPCAST)
+        else:
+            if TMA:  # the block is one page's run of BN entries: one bulk copy, no address per byte
+                first = (i_s + i * S) * BN
+                p_blk = tl.load(table + row * s_bt + first // page_size, mask=first < n_t, other=-1)
+                b_k = tl.reshape(keys.load([p_blk, first % page_size, 0]), [BN, 128])  # e4m3; past the cache: 0
             else:
-                lo, hi = e2m1_bytes_to_bf16(b_b, tl.reshape(tl.broadcast_to(b_e[:, :, None], [BN, 4, 16]), [BN, 64]))
-                b_k = tl.reshape(tl.join(lo, hi), [BN, 128])
-        elif TMA:  # the block is one page's run of BN entries: one bulk copy, no address per byte
-            first = (i_s + i * S) * BN
-            p_blk = tl.load(table + row * s_bt + first // page_size, mask=first < n_t, other=-1)
-            b_k = tl.reshape(keys.load([p_blk, first % page_size, 0]), [BN, 128])  # e4m3; pages past the cache read 0
-        else:
-            b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0.0)
+                b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0.0)
+                if FP8:
+                    b_k = b_k.to(tl.float8e4nv, bitcast=True)
             if FP8:
-                b_k = b_k.to(tl.float8e4nv, bitcast=True)
-        if FP8:
-            p_scale = (base + page_size * 128 + off * 4).to(tl.pointer_type(tl.float32))
-            b_scale = tl.load(p_scale, mask=m_c, other=0.0)
-        else:
-            b_scale = tl.full([BN], 1.0, tl.float32)
-        if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
-            b_dot = tl.dot(b_k.to(tl.float32), tl.trans(b_q.to(tl.float32)))
-        else:
-            b_dot = tl.dot(b_k, tl.trans(b_q))  # [BN, HI] fp32
+                b_scale = tl.load((base + page_size * 128 + off * 4).to(tl.pointer_type(tl.float32)), mask=m_c,
+                                  other=0.0)
+            b_dot = _dot(b_k, b_q, UPCAST)  # [BN, HI] fp32
         b_s = tl.where(m_c, tl.sum(tl.maximum(b_dot, 0.0) * b_w[None, :], 1) * b_scale, float("-inf"))
         tl.store(scores + i_t.to(tl.int64) * s_st + c, b_s, mask=c < n_t)
 
@@ -534,42 +556,50 @@ def key_blocks(cache: torch.Tensor, fp8: bool):
                             [page_size * cache.shape[2], 128, 1], [1, BN, 128])
 
 
-def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Scores of token chunks (each under ``SCORES_BYTES``) by ``_scores_kernel``, then
-    ``select(scores, n, lo, hi, outs)`` (``n``: the chunk's local counts) fills rows
-    ``lo:hi`` of each ``(ids [T, width] int32, vals [T, width] fp32)`` output pair, one per
-    ``widths``; only shapes steer the launches."""
-    q, w, cache, table = args.q.contiguous(), args.weights.contiguous(), args.cache, args.block_table
-    T, Hi = q.shape[:2]
+def launch_scores(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
+                  allowed: torch.Tensor) -> None:
+    """``_scores_kernel`` over tokens ``lo:hi``: their scores into ``scores [hi - lo, L]`` fp32
+    and local counts into ``n [hi - lo]`` int32 (``allowed``: the chunk's candidate mask,
+    :func:`mark_candidates`, or any tensor when the call has no candidates)."""
+    q, w, cache, table = args.q, args.weights, args.cache, args.block_table
     R, page_size = table.shape[0], cache.shape[1]
     L = table.shape[1] * page_size
     rank, world, interleave = args.shard
-    outs = [(torch.empty((T, width), dtype=torch.int32, device=q.device),
-             torch.empty((T, width), dtype=torch.float32, device=q.device)) for width in widths]
-    HI = max(16, triton.next_power_of_2(Hi))
     keys = key_blocks(cache, args.fmt.fp8)
     programs_per_sm, stages = SCORE_LAUNCH[keys is not cache]
-    sms = num_sms(q.device)
     blocks = triton.cdiv(L, BN)
+    S = torch.sym_max(1, torch.sym_min(blocks, programs_per_sm * num_sms(q.device) // (hi - lo)))
+    launchable(_scores_kernel, q)[(hi - lo, S)](
+        q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, keys, table, allowed, scores, n,
+        q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
+        allowed.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
+        rank, world, interleave, args.candidate_block, allowed.shape[-1],
+        HI=max(16, triton.next_power_of_2(q.shape[1])), FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
+        ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
+        FP4=args.fmt.fp4, num_stages=stages,
+    )
+
+
+def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select, launch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Scores of token chunks (each under ``SCORES_BYTES``) by ``launch`` (:func:`launch_scores`'s
+    arguments), then ``select(scores, n, lo, hi, outs)`` (``n``: the chunk's local counts)
+    fills rows ``lo:hi`` of each ``(ids [T, width] int32, vals [T, width] fp32)`` output
+    pair, one per ``widths``; only shapes steer the launches."""
+    args = args._replace(q=args.q.contiguous(), weights=args.weights.contiguous())
+    T = args.q.shape[0]
+    L = args.block_table.shape[1] * args.cache.shape[1]
+    device = args.q.device
+    outs = [(torch.empty((T, width), dtype=torch.int32, device=device),
+             torch.empty((T, width), dtype=torch.float32, device=device)) for width in widths]
     if one_chunk(T, L):  # (a traced T: the lowering inlines only such calls)
         chunks = [(0, T)]
     else:
         chunk = max(1, SCORES_BYTES // (4 * L))
         chunks = [(lo, min(T, lo + chunk)) for lo in range(0, T, chunk)]
     for lo, hi in chunks:
-        scores = torch.empty((hi - lo, L), dtype=torch.float32, device=q.device)
-        n = torch.empty((hi - lo,), dtype=torch.int32, device=q.device)
-        allowed = n if args.candidates is None else mark_candidates(args, lo, hi)
-        S = torch.sym_max(1, torch.sym_min(blocks, programs_per_sm * sms // (hi - lo)))
-        launchable(_scores_kernel, q)[(hi - lo, S)](
-            q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, keys, table, allowed, scores, n,
-            q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
-            allowed.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, Hi, S,
-            rank, world, interleave, args.candidate_block, allowed.shape[-1],
-            HI=HI, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
-            ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
-            FP4=args.fmt.fp4, num_stages=stages,
-        )
+        scores = torch.empty((hi - lo, L), dtype=torch.float32, device=device)
+        n = torch.empty((hi - lo,), dtype=torch.int32, device=device)
+        launch(args, lo, hi, scores, n, n if args.candidates is None else mark_candidates(args, lo, hi))
         select(scores, n, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs])
     return outs
 
@@ -583,19 +613,20 @@ def _select_blocks(args: IndexerArgs, scores, n, lo, hi, out, width: int) -> Non
     topk_of_rows(blocks, visible, *out, width)
 
 
-def indexer_topk_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
+def indexer_topk_triton(args: IndexerArgs, launch=launch_scores) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids [T, k] int32, scores [T, k] fp32)`` of a validated call (see
-    :class:`compile_ops.indexer.inputs.IndexerArgs`)."""
-    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs: _select_ids(args, scores, n, outs[0]))[0]
+    :class:`compile_ops.indexer.inputs.IndexerArgs`), its scores by ``launch``."""
+    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs: _select_ids(args, scores, n, outs[0]),
+                      launch)[0]
 
 
-def indexer_candidates_triton(args: IndexerArgs) -> tuple[torch.Tensor, torch.Tensor]:
+def indexer_candidates_triton(args: IndexerArgs, launch=launch_scores) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks [T, k] int32, block scores [T, k] fp32)`` of a validated call."""
     return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs: _select_blocks(
-        args, scores, n, lo, hi, outs[0], args.k))[0]
+        args, scores, n, lo, hi, outs[0], args.k), launch)[0]
 
 
-def indexer_topk_and_candidates_triton(args: IndexerArgs):
+def indexer_topk_and_candidates_triton(args: IndexerArgs, launch=launch_scores):
     """``((ids, scores) [T, k], (blocks, block scores) [T, n_blocks])`` of a validated call,
     the two top-k over one scores buffer."""
 
@@ -603,7 +634,7 @@ def indexer_topk_and_candidates_triton(args: IndexerArgs):
         _select_ids(args, scores, n, outs[0])
         _select_blocks(args, scores, n, lo, hi, outs[1], args.n_blocks)
 
-    ids, blocks = _per_chunk(args, (args.k, args.n_blocks), select)
+    ids, blocks = _per_chunk(args, (args.k, args.n_blocks), select, launch)
     return ids, blocks
 
 

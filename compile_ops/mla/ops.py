@@ -239,17 +239,7 @@ def _triton_unavailable(device, kv_format):
 
 
 def _gluon_unavailable(device, kv_format):
-    if device.type != "cuda":
-        return f"the Gluon kernel runs on CUDA devices only, got {device.type}"
-    capability = torch.cuda.get_device_capability(device)
-    if capability != (9, 0):
-        return f"the Gluon kernel needs sm_90 (Hopper wgmma), got sm_{capability[0]}{capability[1]}"
-    try:
-        import triton
-        import triton.experimental.gluon  # noqa: F401
-    except ImportError as err:
-        return f"the Gluon kernel needs triton with triton.experimental.gluon ({err})"
-    return gluon_triton_unsupported(triton.__version__)
+    return backends.hopper_with_gluon(device)
 
 
 def _flashmla_unavailable(device, kv_format):

@@ -1,0 +1,237 @@
+"""Gluon scores kernel for ``fp4`` index keys on Hopper (sm_90): backend ``"gluon"``.
+
+The same op, arguments and top-k as the ``triton`` backend (:mod:`compile_ops.indexer.triton`);
+only the scores kernel differs, for DeepSeek-V4.1's ``fp4`` keys. The tensor cores take no
+e2m1, and a portable kernel that widens every key in registers and lets the compiler move
+it into the MMA's layout spends most of its instructions on the moves. Here:
+
+* each lane loads, for its two rows of the product, one 32-bit word per block of 32 values
+  straight in the layout of ``wgmma``'s register operand (no shared memory, no shuffles);
+* masks and shifts turn its eight e2m1 codes into e4m3 bytes (value times ``2**-6``,
+  exactly; :func:`compile_ops.indexer.triton.e2m1_as_e4m3`): the low nibbles are the
+  operand's columns ``4 t .. 4 t + 3`` of the block, the high ones ``16 + 4 t ..``, and the
+  queries' columns are permuted to match once per program;
+* each block of 32 values is one 32-deep e4m3 ``wgmma`` (four per 64-entry block, issued
+  together), whose fp32 result is exact; the key's and the query's power-of-two scales
+  multiply it after, so the scores are the reference's products, summed in fp32;
+* the next block's words are loaded while this block's products run.
+
+Program ``(t, s)`` takes blocks ``s, s + S, ...`` of token ``t``'s entries, as the portable
+kernel does, and stores the same scores (``-inf`` at holes, outside the candidate blocks
+and nowhere past the token's count).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+from torch._subclasses.functional_tensor import FunctionalTensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from compile_ops._triton_quant import _E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, power_of_two, to_e4m3
+from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
+from compile_ops.indexer.triton import (BN, indexer_candidates_triton, indexer_topk_and_candidates_triton,
+                                        indexer_topk_triton)
+from compile_ops.mla.plan import num_sms
+
+# programs per SM: the occupancy the kernel's registers allow (4 warps each), so that one
+# launch fills every SM once and each program streams its token's blocks
+PROGRAMS_PER_SM = 4
+GLUON_MAX_HEADS = 64  # four [64, heads] fp32 products in registers
+
+
+@gluon.jit
+def _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave):
+    """Token ``i_t``'s request row (0 when it picks nothing) and how many entries it scores
+    on this shard (:func:`compile_ops.indexer.inputs.local_counts`)."""
+    row = gl.load(t2r + i_t)
+    n_g = gl.maximum(gl.load(n_entries + i_t), 0)
+    span = world * interleave
+    n = gl.minimum((n_g // span) * interleave + gl.minimum(gl.maximum(n_g % span - rank * interleave, 0), interleave), L)
+    ok = (row >= 0) & (row < R) & (n > 0)
+    return gl.where(ok, row, 0).to(gl.int64), gl.where(ok, n, 0)
+
+
+@gluon.jit
+def _query_block(q_smem, p_q, m_h, g: gl.constexpr, QL: gl.constexpr):
+    """Block ``g`` (values ``32 g .. 32 g + 31``) of the token's queries ``[HI, 32]``
+    quantized like the keys (e2m1 codes under a power-of-two scale per head and 32 values),
+    stored as e4m3 into ``q_smem[g]`` with the operand's column order (column ``c < 16`` is
+    value ``2 c``, ``16 + c`` value ``2 c + 1``) once its scale exponent is known relative to
+    the head's largest: returns the codes and exponents for :func:`_store_query`."""
+    o_c = gl.arange(0, 32, gl.SliceLayout(0, QL))
+    src = 32 * g + 2 * (o_c % 16) + o_c // 16
+    return e2m1_rows(gl.load(p_q + src[None, :], mask=m_h[:, None], other=0.0).to(gl.float32))
+
+
+@gluon.jit
+def _store_query(q_smem, code, exponent, top, g: gl.constexpr):
+    """Block ``g``'s query values times ``2 ** (133 - top)`` as e4m3 into ``q_smem[g]``: the
+    head's largest block (exponent ``top``) as its e2m1 values times ``2**6`` (at most 384),
+    a block ``d`` binades below it times ``2 ** (6 - d)``, exact for ``d <= 14`` (e4m3's
+    smallest step is ``2**-9``); a block further below, whose products are under ``2**-14``
+    of the head's largest, is rounded to that step."""
+    x = e2m1_value(code) * power_of_two(gl.maximum(exponent - top, -133)[:, None] + 133)
+    q_smem.index(g).store(to_e4m3(x))
+
+
+@gluon.jit
+def _fetch(cache, table, allowed, i_t, row, n_t, blk, s_page, s_bt, s_at, num_slots, page_size,
+           rank, world, interleave, block, nb, RESTRICT: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+           BN: gl.constexpr, ROW: gl.constexpr, KL: gl.constexpr):
+    """Block ``blk``'s key words (four ``[BN, 16]`` uint8, one per block of 32 values, in the
+    operand's layout ``KL``), their ue8m0 bytes (``[BN]`` int32, four a key) and which rows
+    hold a scored entry (``[BN]`` in ``ROW``)."""
+    c = blk * BN + gl.arange(0, BN, ROW)
+    valid = c < n_t
+    if PAGE_SHIFT >= 0:  # a power-of-two page: no integer division per row
+        page = gl.load(table + row * s_bt + (c >> PAGE_SHIFT), mask=valid, other=-1).to(gl.int64)
+        off = c & (page_size - 1)
+    else:
+        page = gl.load(table + row * s_bt + c // page_size, mask=valid, other=-1).to(gl.int64)
+        off = c % page_size
+    valid = valid & (page >= 0) & (page * page_size + off < num_slots)
+    if RESTRICT:  # entries outside the token's candidate blocks (global ids) score -inf
+        g_blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
+        valid = valid & (gl.load(allowed + i_t * s_at + g_blk, mask=valid & (g_blk < nb), other=0) != 0)
+    base = cache + gl.where(valid, page, 0) * s_page
+    exps = gl.load((base + page_size * 64 + off * 4).to(gl.pointer_type(gl.int32)), mask=valid, other=0)
+    p_k = gl.convert_layout(base + off * 64, gl.SliceLayout(1, KL))[:, None] + gl.arange(0, 16, gl.SliceLayout(0, KL))[None, :]
+    m_k = gl.convert_layout(valid, gl.SliceLayout(1, KL))[:, None]
+    k0 = gl.load(p_k, mask=m_k, other=0)
+    k1 = gl.load(p_k + 16, mask=m_k, other=0)
+    k2 = gl.load(p_k + 32, mask=m_k, other=0)
+    k3 = gl.load(p_k + 48, mask=m_k, other=0)
+    return k0, k1, k2, k3, exps, valid
+
+
+@gluon.jit
+def _operand(packed, A_L: gl.constexpr):
+    """uint8 ``[BN, 16]`` words of e2m1 pairs -> the e4m3 operand ``[BN, 32]``: low nibbles in
+    columns 0..15, high in 16..31, in ``A_L`` (the same registers: no data moves)."""
+    lo, hi = gl.inline_asm_elementwise(_E2M1X8_TO_E4M3, "=r,=r,r", [packed], dtype=(gl.uint8, gl.uint8),
+                                       is_pure=True, pack=4)
+    x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [packed.shape[0], 32])
+    return gl.convert_layout(x.to(gl.float8e4nv, bitcast=True), A_L)
+
+
+@gluon.jit
+def _block_scores(k0, k1, k2, k3, exps, q_smem, b_w, zero, A_L: gl.constexpr):
+    """``[BN]`` scores of one block of keys (:func:`_fetch`): four 32-deep e4m3 products
+    (issued together, one wait), each times its key block's power-of-two scale, summed,
+    then ``sum_h w[h] relu(.)`` (the query's scales are in its values and in ``b_w``)."""
+    a0 = warpgroup_mma(_operand(k0, A_L), q_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a1 = warpgroup_mma(_operand(k1, A_L), q_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a2 = warpgroup_mma(_operand(k2, A_L), q_smem.index(2).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a3 = warpgroup_mma(_operand(k3, A_L), q_smem.index(3).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
+    x = a0 * _key_scale(exps, 0)[:, None]
+    x = a1 * _key_scale(exps, 1)[:, None] + x
+    x = a2 * _key_scale(exps, 2)[:, None] + x
+    x = a3 * _key_scale(exps, 3)[:, None] + x
+    return gl.sum(gl.maximum(x, 0.0) * b_w[None, :], 1)
+
+
+@gluon.jit
+def _key_scale(exps, g: gl.constexpr):
+    """The power-of-two scale of the keys' block ``g`` (ue8m0 byte ``g`` of ``exps``)."""
+    return power_of_two((exps >> (8 * g)) & 255)
+
+
+@gluon.jit
+def _scores_fp4_kernel(
+    q, w, t2r, n_entries, cache, table, allowed, scores, n_out,
+    s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, R, L, num_slots, page_size, Hi, S,
+    rank, world, interleave, block, nb,
+    HI: gl.constexpr, RESTRICT: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+):
+    """Program ``(t, s)``: ``scores[t, c] = sum_h w[t, h] * relu(q[t, h] . key[c])`` for token
+    ``t``'s blocks ``s, s + S, ...`` of ``BN`` entries (``-inf`` at holes and outside its
+    candidate blocks), ``n_out[t]`` its local count (program 0)."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HI, 32])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4)
+    # A_L's registers, lanes and warps for one block's 16 packed bytes: a lane's word per row
+    KL: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BN, 16])
+    ROW: gl.constexpr = gl.SliceLayout(1, ACC)
+    COL: gl.constexpr = gl.SliceLayout(0, ACC)
+    QL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+
+    i_t, i_s = gl.program_id(0), gl.program_id(1)
+    row, n_t = _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave)
+    if i_s == 0:
+        gl.store(n_out + i_t, n_t)
+    nb_t = gl.cdiv(n_t, BN)
+    if i_s < nb_t:
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, HI, 32],
+                                           gl.NVMMASharedLayout.get_default_for([HI, 32], gl.float8e4nv))
+        o_h = gl.arange(0, HI, gl.SliceLayout(1, QL))
+        m_h = o_h < Hi
+        p_q = q + i_t * s_qt + o_h[:, None] * s_qh
+        c0, e0 = _query_block(q_smem, p_q, m_h, 0, QL)
+        c1, e1 = _query_block(q_smem, p_q, m_h, 1, QL)
+        c2, e2 = _query_block(q_smem, p_q, m_h, 2, QL)
+        c3, e3 = _query_block(q_smem, p_q, m_h, 3, QL)
+        top = gl.maximum(gl.maximum(e0, e1), gl.maximum(e2, e3))
+        _store_query(q_smem, c0, e0, top, 0)
+        _store_query(q_smem, c1, e1, top, 1)
+        _store_query(q_smem, c2, e2, top, 2)
+        _store_query(q_smem, c3, e3, top, 3)
+        # the head's scale 2 ** (top - 127) over _store_query's 2**6, times the keys' 2**6 (e2m1_as_e4m3)
+        o_w = gl.arange(0, HI, COL)
+        b_w = gl.load(w + i_t * s_wt + o_w, mask=o_w < Hi, other=0.0) * gl.convert_layout(power_of_two(top), COL)
+        fence_async_shared()
+        zero = gl.zeros([BN, HI], gl.float32, ACC)
+        p_s = scores + i_t.to(gl.int64) * s_st
+        # two blocks a step: both blocks' words load before either's products
+        for blk in range(i_s, nb_t, 2 * S):
+            k0, k1, k2, k3, exps, valid = _fetch(cache, table, allowed, i_t, row, n_t, blk, s_page, s_bt, s_at,
+                                                 num_slots, page_size, rank, world, interleave, block, nb,
+                                                 RESTRICT, PAGE_SHIFT, BN, ROW, KL)
+            j0, j1, j2, j3, j_exps, j_valid = _fetch(cache, table, allowed, i_t, row, n_t, blk + S, s_page, s_bt, s_at,
+                                                     num_slots, page_size, rank, world, interleave, block, nb,
+                                                     RESTRICT, PAGE_SHIFT, BN, ROW, KL)
+            c = blk * BN + gl.arange(0, BN, ROW)
+            b_s = _block_scores(k0, k1, k2, k3, exps, q_smem, b_w, zero, A_L)
+            gl.store(p_s + c, gl.where(valid, b_s, float("-inf")), mask=c < n_t)
+            c = c + S * BN
+            b_s = _block_scores(j0, j1, j2, j3, j_exps, q_smem, b_w, zero, A_L)
+            gl.store(p_s + c, gl.where(j_valid, b_s, float("-inf")), mask=c < n_t)
+
+
+def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
+                        allowed: torch.Tensor) -> None:
+    """:func:`_scores_fp4_kernel` over tokens ``lo:hi`` (the arguments of
+    :func:`compile_ops.indexer.triton.launch_scores`)."""
+    q, w, cache, table = args.q, args.weights, args.cache, args.block_table
+    R, page_size = table.shape[0], cache.shape[1]
+    L = table.shape[1] * page_size
+    rank, world, interleave = args.shard
+    S = max(1, min(triton.cdiv(L, BN), PROGRAMS_PER_SM * num_sms(q.device) // (hi - lo)))
+    _scores_fp4_kernel[(hi - lo, S)](
+        q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
+        q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
+        allowed.stride(0), R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
+        rank, world, interleave, args.candidate_block, allowed.shape[-1],
+        HI=max(16, triton.next_power_of_2(q.shape[1])), RESTRICT=args.candidates is not None, BN=BN,
+        PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, num_warps=4)
+
+
+def gluon_args_unsupported(args: IndexerArgs) -> Optional[str]:
+    """The ``gluon`` backend's limits: ``None`` when its scores kernel takes this call."""
+    if isinstance(args.q, FunctionalTensor):
+        return "a traced launch (lowering.inductor) runs the triton backend's kernels"
+    if args.q.shape[1] > GLUON_MAX_HEADS:
+        return f"the Gluon scores kernel takes at most {GLUON_MAX_HEADS} heads, got {args.q.shape[1]}"
+    return triton_args_unsupported(args)
+
+
+indexer_topk_gluon = functools.partial(indexer_topk_triton, launch=launch_scores_gluon)
+indexer_candidates_gluon = functools.partial(indexer_candidates_triton, launch=launch_scores_gluon)
+indexer_topk_and_candidates_gluon = functools.partial(indexer_topk_and_candidates_triton, launch=launch_scores_gluon)
