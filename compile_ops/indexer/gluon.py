@@ -31,17 +31,23 @@ import triton
 from torch._subclasses.functional_tensor import FunctionalTensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from compile_ops._triton_quant import _E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, power_of_two, to_e4m3
 from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
 from compile_ops.indexer.triton import (BN, indexer_candidates_triton, indexer_topk_and_candidates_triton,
                                         indexer_topk_triton)
+from compile_ops.mla.gluon import _async_load, _cta_barrier
 from compile_ops.mla.plan import num_sms
 
 # programs per SM: the occupancy the kernel's registers allow (4 warps each), so that one
 # launch fills every SM once and each program streams its token's blocks
 PROGRAMS_PER_SM = 4
+STAGES = gl.constexpr(4)  # key blocks in the ring: three copies in flight while one block's products run
+# a key's 64 bytes in shared memory, 16-byte chunk j of row r at chunk j ^ (r // 2) % 4: the
+# copies stay 16 bytes, and a warp's word loads (8 rows, one chunk each) hit 32 banks
+KEY_SWIZZLE = gl.constexpr(gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
 GLUON_MAX_HEADS = 64  # four [64, heads] fp32 products in registers
 
 
@@ -81,33 +87,42 @@ def _store_query(q_smem, code, exponent, top, g: gl.constexpr):
 
 
 @gluon.jit
-def _fetch(cache, table, allowed, i_t, row, n_t, blk, s_page, s_bt, s_at, num_slots, page_size,
-           rank, world, interleave, block, nb, RESTRICT: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-           BN: gl.constexpr, ROW: gl.constexpr, KL: gl.constexpr):
-    """Block ``blk``'s key words (four ``[BN, 16]`` uint8, one per block of 32 values, in the
-    operand's layout ``KL``), their ue8m0 bytes (``[BN]`` int32, four a key) and which rows
-    hold a scored entry (``[BN]`` in ``ROW``)."""
-    c = blk * BN + gl.arange(0, BN, ROW)
-    valid = c < n_t
+def _pages(table, row, n_t, blk, s_bt, page_size, PAGE_SHIFT: gl.constexpr, BN: gl.constexpr, CROW: gl.constexpr):
+    """Block ``blk``'s page per row (``[BN]`` int32 in ``CROW``; ``-1``: past the token's
+    count or a hole), loaded one step before its copy so that no copy waits on it."""
+    c = blk * BN + gl.arange(0, BN, CROW)
     if PAGE_SHIFT >= 0:  # a power-of-two page: no integer division per row
-        page = gl.load(table + row * s_bt + (c >> PAGE_SHIFT), mask=valid, other=-1).to(gl.int64)
+        i_p = c >> PAGE_SHIFT
+    else:
+        i_p = c // page_size
+    return gl.load(table + row * s_bt + i_p, mask=c < n_t, other=-1)
+
+
+@gluon.jit
+def _copy_block(kbuf, ebuf, vbuf, stage, page, cache, allowed, i_t, n_t, blk, s_page, s_at, num_slots, page_size,
+                rank, world, interleave, block, nb, RESTRICT: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+                BN: gl.constexpr, CPL: gl.constexpr):
+    """Start copying block ``blk``'s keys (``page``: :func:`_pages`) into ring slot ``stage``:
+    the rows' 64 bytes into ``kbuf``, their four ue8m0 bytes into ``ebuf`` (``cp.async``, 16
+    and 4 bytes a copy; rows with no scored entry are zero-filled), and which rows hold a
+    scored entry into ``vbuf``."""
+    CROW: gl.constexpr = gl.SliceLayout(1, CPL)
+    c = blk * BN + gl.arange(0, BN, CROW)
+    if PAGE_SHIFT >= 0:
         off = c & (page_size - 1)
     else:
-        page = gl.load(table + row * s_bt + c // page_size, mask=valid, other=-1).to(gl.int64)
         off = c % page_size
-    valid = valid & (page >= 0) & (page * page_size + off < num_slots)
+    page = page.to(gl.int64)
+    valid = (c < n_t) & (page >= 0) & (page * page_size + off < num_slots)
     if RESTRICT:  # entries outside the token's candidate blocks (global ids) score -inf
         g_blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
         valid = valid & (gl.load(allowed + i_t * s_at + g_blk, mask=valid & (g_blk < nb), other=0) != 0)
     base = cache + gl.where(valid, page, 0) * s_page
-    exps = gl.load((base + page_size * 64 + off * 4).to(gl.pointer_type(gl.int32)), mask=valid, other=0)
-    p_k = gl.convert_layout(base + off * 64, gl.SliceLayout(1, KL))[:, None] + gl.arange(0, 16, gl.SliceLayout(0, KL))[None, :]
-    m_k = gl.convert_layout(valid, gl.SliceLayout(1, KL))[:, None]
-    k0 = gl.load(p_k, mask=m_k, other=0)
-    k1 = gl.load(p_k + 16, mask=m_k, other=0)
-    k2 = gl.load(p_k + 32, mask=m_k, other=0)
-    k3 = gl.load(p_k + 48, mask=m_k, other=0)
-    return k0, k1, k2, k3, exps, valid
+    o_b = gl.arange(0, 64, gl.SliceLayout(0, CPL))
+    _async_load(kbuf.index(stage), (base + off * 64)[:, None] + o_b[None, :], mask=valid[:, None])
+    _async_load(ebuf.index(stage), (base + page_size * 64 + off * 4).to(gl.pointer_type(gl.int32)), mask=valid)
+    async_copy.commit_group()
+    vbuf.index(stage).store(valid.to(gl.int32))
 
 
 @gluon.jit
@@ -162,6 +177,8 @@ def _scores_fp4_kernel(
     ROW: gl.constexpr = gl.SliceLayout(1, ACC)
     COL: gl.constexpr = gl.SliceLayout(0, ACC)
     QL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    CPL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # the copies: 16 bytes a lane
+    CROW: gl.constexpr = gl.SliceLayout(1, CPL)
 
     i_t, i_s = gl.program_id(0), gl.program_id(1)
     row, n_t = _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave)
@@ -189,20 +206,32 @@ def _scores_fp4_kernel(
         fence_async_shared()
         zero = gl.zeros([BN, HI], gl.float32, ACC)
         p_s = scores + i_t.to(gl.int64) * s_st
-        # two blocks a step: both blocks' words load before either's products
-        for blk in range(i_s, nb_t, 2 * S):
-            k0, k1, k2, k3, exps, valid = _fetch(cache, table, allowed, i_t, row, n_t, blk, s_page, s_bt, s_at,
-                                                 num_slots, page_size, rank, world, interleave, block, nb,
-                                                 RESTRICT, PAGE_SHIFT, BN, ROW, KL)
-            j0, j1, j2, j3, j_exps, j_valid = _fetch(cache, table, allowed, i_t, row, n_t, blk + S, s_page, s_bt, s_at,
-                                                     num_slots, page_size, rank, world, interleave, block, nb,
-                                                     RESTRICT, PAGE_SHIFT, BN, ROW, KL)
+        kbuf = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], KEY_SWIZZLE)
+        ebuf = gl.allocate_shared_memory(gl.int32, [STAGES, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # blocks i_s, i_s + S, ... in a ring of STAGES slots: STAGES - 1 copies in flight
+        for j in gl.static_range(STAGES - 1):
+            page = _pages(table, row, n_t, i_s + j * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
+            _copy_block(kbuf, ebuf, vbuf, j, page, cache, allowed, i_t, n_t, i_s + j * S, s_page, s_at, num_slots,
+                        page_size, rank, world, interleave, block, nb, RESTRICT, PAGE_SHIFT, BN, CPL)
+        page = _pages(table, row, n_t, i_s + (STAGES - 1) * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
+        for i in range(0, gl.cdiv(nb_t - i_s, S)):
+            blk = i_s + i * S
+            ahead = blk + (STAGES - 1) * S
+            next_page = _pages(table, row, n_t, ahead + S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of block blk have landed ...
+            _cta_barrier()  # ... and every thread's; the slot refilled below was read one step ago
+            st = i % STAGES
+            _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead, s_page,
+                        s_at, num_slots, page_size, rank, world, interleave, block, nb, RESTRICT, PAGE_SHIFT, BN, CPL)
+            keys = kbuf.index(st)
+            b_s = _block_scores(keys.slice(0, 16, dim=1).load(KL), keys.slice(16, 16, dim=1).load(KL),
+                                keys.slice(32, 16, dim=1).load(KL), keys.slice(48, 16, dim=1).load(KL),
+                                ebuf.index(st).load(ROW), q_smem, b_w, zero, A_L)
             c = blk * BN + gl.arange(0, BN, ROW)
-            b_s = _block_scores(k0, k1, k2, k3, exps, q_smem, b_w, zero, A_L)
-            gl.store(p_s + c, gl.where(valid, b_s, float("-inf")), mask=c < n_t)
-            c = c + S * BN
-            b_s = _block_scores(j0, j1, j2, j3, j_exps, q_smem, b_w, zero, A_L)
-            gl.store(p_s + c, gl.where(j_valid, b_s, float("-inf")), mask=c < n_t)
+            gl.store(p_s + c, gl.where(vbuf.index(st).load(ROW) != 0, b_s, float("-inf")), mask=c < n_t)
+            page = next_page
+        async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
 
 
 def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
