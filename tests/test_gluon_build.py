@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon kernel (``compile_ops/mla/gluon.py``) built for sm_90 on the CPU.
+"""The Gluon kernels (``compile_ops/mla/gluon.py``, ``compile_ops/indexer/gluon.py``) built for sm_90 on the CPU.
 
 CI has no GPU and Gluon has no interpreter, so without this test an edit that breaks the
 kernel's Hopper build, makes it spill registers or outgrow the H200's shared memory would
@@ -23,6 +23,9 @@ pytest.importorskip("triton")
 # "window+compressed": a call of two formats (DeepSeek-V4.1's)
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41", "fp8_dsv41+fp4_dsv41"]
 BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
+# the indexer's fp4 scores kernel (compile_ops/indexer/gluon.py): "indexer:heads:restrict:page shift"
+# (V4.1's 32 index heads and V4's 64; candidate blocks or not; power-of-two pages or any)
+INDEXER_BUILDS = ["indexer:32:0:6", "indexer:32:1:-1", "indexer:64:0:5", "indexer:64:1:6", "indexer:16:0:6"]
 
 SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt into on sm_90
 POINTER_TYPES = {
@@ -67,12 +70,40 @@ def build_sm90(kv_format, dsplit):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
 
+def build_indexer_sm90(heads: int, restrict: bool, page_shift: int):
+    """:func:`compile_ops.indexer.gluon._scores_fp4_kernel` compiled for sm_90 as
+    :func:`compile_ops.indexer.gluon.launch_scores_gluon` launches it for ``heads`` index heads."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from compile_ops.indexer import gluon
+    from compile_ops.indexer.triton import BN
+
+    kernel = gluon._scores_fp4_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = dict(q="*bf16", w="*fp32", t2r="*i32", n_entries="*i32", cache="*u8", table="*i32", allowed="*i8",
+                 scores="*fp32", n_out="*i32")
+    options = dict(HI=max(16, heads), RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift)
+    signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if signature[n].startswith("*") or n in ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at")}
+    source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in options.items()}, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
 def build_report(build):
-    """What the tests check of one ``"kv_format:dsplit"`` sm_90 build."""
-    kv_format, dsplit = build.split(":")
+    """What the tests check of one ``"kv_format:dsplit"`` (or ``INDEXER_BUILDS``) sm_90 build."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
     from sm90_build import full_sass
 
+    if build.startswith("indexer:"):
+        _, heads, restrict, page_shift = build.split(":")
+        compiled = build_indexer_sm90(int(heads), restrict == "1", int(page_shift))
+        sass = full_sass(compiled.asm["cubin"])
+        return dict(shared=compiled.metadata.shared, spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
+                    wgmma=sass.count("QGMMA"), copies=sass.count("LDGSTS.E.BYPASS.128"))
+    kv_format, dsplit = build.split(":")
     compiled = build_sm90(kv_format, int(dsplit))
     sass = full_sass(compiled.asm["cubin"])
     return dict(
@@ -95,7 +126,7 @@ def reports():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, __file__, *BUILDS], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, __file__, *BUILDS, *INDEXER_BUILDS], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])
 
@@ -107,6 +138,17 @@ def test_gluon_kernel_builds_for_sm90_without_spills(build, reports):
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
     assert report["wgmma"] > 0  # the products run as wgmma
     assert report["setmaxnreg"] >= 3  # the warpgroups' register split survived
+
+
+@pytest.mark.parametrize("build", INDEXER_BUILDS)
+def test_indexer_fp4_scores_build_for_sm90_without_spills(build, reports):
+    """The fp4 scores kernel: no spills at 16 to 64 heads, its keys copied 16 bytes a
+    ``cp.async`` (a wider or narrower row layout would split them), four e4m3 ``wgmma`` a
+    block (one per 32 values, each under its own scales)."""
+    report = reports[build]
+    assert report["shared"] <= SM90_SHARED_BYTES, f"{report['shared']} bytes of shared memory"
+    assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
+    assert report["copies"] >= 2 and report["wgmma"] >= 4, report
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The indexer's Triton kernels on the GPU against the plain-torch reference (``pytest -m gpu``).
+"""The indexer's Triton and Gluon kernels on the GPU against the plain-torch reference (``pytest -m gpu``).
 
 Integer-valued data makes every score exact in any accumulation order, so ids must be
 equal, ties included; shapes span the decode and prefill ranges of the indexer issue.
@@ -37,11 +37,14 @@ def big_problem(T, Hi, n_max, page_size=64, seed=0, causal=False, index_format="
     return q, weights, cache, table, rows, n
 
 
-def both(args, k, index_format="fp8"):
+def both(args, k, index_format="fp8", backend="auto", **kwargs):
+    """The op on ``backend`` (``auto``: on sm_90, Gluon's scores for fp4 keys, the tl
+    kernel's else) and on the reference."""
     with compile_ops.use_backends(indexer="reference"):
-        want = compile_ops.indexer_topk(*args, k, index_format)
-    assert compile_ops.backend_for("indexer", "cuda") == "triton"
-    return compile_ops.indexer_topk(*args, k, index_format), want
+        want = compile_ops.indexer_topk(*args, k, index_format, **kwargs)
+    assert compile_ops.backend_for("indexer", "cuda", index_format) == ("gluon" if index_format == "fp4" else "triton")
+    with compile_ops.use_backends(indexer=backend):
+        return compile_ops.indexer_topk(*args, k, index_format, **kwargs), want
 
 
 CASES = [(1, 64, 2048, 1 << 19), (8, 32, 1024, 1 << 17), (64, 64, 512, 1 << 15), (256, 32, 2048, 1 << 13),
@@ -53,6 +56,66 @@ CASES = [(1, 64, 2048, 1 << 19), (8, 32, 1024, 1 << 17), (64, 64, 512, 1 << 15),
 def test_gpu_matches_reference(T, Hi, k, n_max, index_format):
     got, want = both(big_problem(T, Hi, n_max, seed=T, index_format=index_format), k, index_format)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["gluon", "triton"])
+@pytest.mark.parametrize("page_size", [16, 48, 128])
+def test_gpu_fp4_keys_on_both_scores_kernels(backend, page_size):
+    """fp4 keys through the Gluon scores kernel and the tl one, on pages smaller than a
+    block, not a power of two, and larger than a block, in score and id order."""
+    args = big_problem(64, 32, 3 * 2048, page_size=page_size, seed=page_size, index_format="fp4")
+    for order in ("score", "id"):
+        got, want = both(args, 512, "fp4", backend, order=order)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["gluon", "triton"])
+def test_gpu_fp4_candidates_and_capture(backend):
+    """fp4 keys inside candidate blocks (the scores kernel's mask), replayed from a CUDA
+    graph with new counts and no host sync."""
+    q, weights, cache, table, rows, n = big_problem(16, 32, 1 << 14, seed=5, index_format="fp4")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    cand = torch.randint(-1, (1 << 14) // 64, (16, 24), device="cuda", generator=gen, dtype=i32)
+    args = (q, weights, cache, table, rows, n)
+    kw = dict(candidates=cand, candidate_block=64)
+    with compile_ops.use_backends(indexer=backend):
+        compile_ops.indexer_topk(*args, 256, "fp4", **kw)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compile_ops.indexer_topk(*args, 256, "fp4", **kw)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        n.copy_(torch.randint(1, 1 << 14, (16,), device="cuda", generator=gen, dtype=i32))
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with compile_ops.use_backends(indexer="reference"):
+        want = compile_ops.indexer_topk(*args, 256, "fp4", **kw)
+    assert torch.equal(out, want)
+
+
+def test_gpu_fp4_query_blocks_far_below_their_head():
+    """A query block 20 binades under its head's largest (the Gluon kernel rounds it to
+    ``2**-15`` of that block's scale): the chosen ids' reference scores are the reference's
+    top scores within ``2**-14`` of their size."""
+    q, weights, cache, table, rows, n = big_problem(8, 32, 1 << 13, seed=7, index_format="fp4")
+    q = q.float()
+    q[:, :, 32:64] *= 2.0 ** -20
+    q = q.bfloat16()
+    args = (q, weights.abs(), cache, table, rows, n)
+    from compile_ops.indexer import ops
+    from compile_ops.indexer.reference import scores_reference
+
+    norm = ops._args(*args, 256, ops._check_topk(*args, 256, "fp4"))
+    scores = scores_reference(norm, 0, 8)
+    got = compile_ops.indexer_topk(*args, 256, "fp4")
+    ok = got >= 0
+    picked = torch.where(ok, scores.gather(1, got.clamp_min(0).long()), float("-inf"))
+    best = scores.topk(256, dim=1).values
+    tol = 2.0 ** -14 * scores.masked_fill(scores.isinf(), 0).abs().amax(1, keepdim=True)
+    assert (ok.sum(1) == (best > float("-inf")).sum(1)).all()
+    assert ((picked - best).abs().masked_fill(~ok, 0) <= tol).all()
 
 
 def test_gpu_causal_prefill_chunk():
