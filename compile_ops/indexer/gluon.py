@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from compile_ops._triton_quant import _E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, power_of_two, to_e4m3
 from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
-from compile_ops.indexer.triton import (BN, indexer_candidates_triton, indexer_topk_and_candidates_triton,
+from compile_ops.indexer.triton import (BN, _local_count, indexer_candidates_triton, indexer_topk_and_candidates_triton,
                                         indexer_topk_triton)
 from compile_ops.mla.gluon import _async_load, _cta_barrier
 from compile_ops.mla.plan import num_sms
@@ -49,18 +49,6 @@ STAGES = gl.constexpr(4)  # key blocks in the ring: three copies in flight while
 # copies stay 16 bytes, and a warp's word loads (8 rows, one chunk each) hit 32 banks
 KEY_SWIZZLE = gl.constexpr(gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
 GLUON_MAX_HEADS = 64  # four [64, heads] fp32 products in registers
-
-
-@gluon.jit
-def _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave):
-    """Token ``i_t``'s request row (0 when it picks nothing) and how many entries it scores
-    on this shard (:func:`compile_ops.indexer.inputs.local_counts`)."""
-    row = gl.load(t2r + i_t)
-    n_g = gl.maximum(gl.load(n_entries + i_t), 0)
-    span = world * interleave
-    n = gl.minimum((n_g // span) * interleave + gl.minimum(gl.maximum(n_g % span - rank * interleave, 0), interleave), L)
-    ok = (row >= 0) & (row < R) & (n > 0)
-    return gl.where(ok, row, 0).to(gl.int64), gl.where(ok, n, 0)
 
 
 @gluon.jit
