@@ -165,9 +165,31 @@ def any_device(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
     return None
 
 
+# Triton releases whose sm_90 builds of the Gluon kernels are tested spill-free
+# (tests/test_gluon_build.py): from 3.6, the first with this Gluon API, up to but not
+# including 3.9, whose register allocation spills the attention kernel in every format at one column
+# split (docs/backends.md, "Supported Triton releases").
+GLUON_TRITON = ((3, 6), (3, 9))
+
+
+def gluon_triton_unsupported(version: str) -> Optional[str]:
+    """``None`` when the Gluon kernel supports Triton ``version`` (e.g. ``"3.8.0"``), else why not."""
+    try:
+        release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"the Gluon kernel cannot tell which Triton release {version!r} is"
+    if GLUON_TRITON[0] <= release < GLUON_TRITON[1]:
+        return None
+    (lo_major, lo_minor), (hi_major, hi_minor) = GLUON_TRITON
+    return (
+        f"the Gluon kernel supports Triton >= {lo_major}.{lo_minor}, < {hi_major}.{hi_minor} "
+        f"(Triton 3.9's sm_90 build of it spills registers), got triton {version}"
+    )
+
+
 def hopper_with_gluon(device: torch.device) -> Optional[str]:
     """Predicate part of the Gluon backends: an sm_90 device and a Triton release whose Gluon
-    API and sm_90 builds are tested (``compile_ops.mla.ops.GLUON_TRITON``)."""
+    API and sm_90 builds are tested (:data:`GLUON_TRITON`)."""
     if device.type != "cuda":
         return f"the Gluon kernels run on CUDA devices only, got {device.type}"
     capability = torch.cuda.get_device_capability(device)
@@ -178,8 +200,6 @@ def hopper_with_gluon(device: torch.device) -> Optional[str]:
         import triton.experimental.gluon  # noqa: F401
     except ImportError as err:
         return f"the Gluon kernels need triton with triton.experimental.gluon ({err})"
-    from compile_ops.mla.ops import gluon_triton_unsupported
-
     return gluon_triton_unsupported(triton.__version__)
 
 

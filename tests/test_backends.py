@@ -7,7 +7,7 @@ import compile_ops
 from compile_ops import backends
 from compile_ops.formats import new_cache
 from compile_ops.mla.inputs import SparseMLAArgs
-from compile_ops.mla.ops import gluon_triton_unsupported
+from compile_ops.backends import gluon_triton_unsupported
 
 FAMILIES = ["sparse_mla", "slots", "combine", "kv"]
 

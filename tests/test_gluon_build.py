@@ -118,7 +118,7 @@ def build_report(build):
 def reports():
     import triton
 
-    from compile_ops.mla.ops import gluon_triton_unsupported
+    from compile_ops.backends import gluon_triton_unsupported
 
     refused = gluon_triton_unsupported(triton.__version__)
     if refused is not None:  # the backend refuses this Triton (tests/test_backends.py)

@@ -212,28 +212,6 @@ def sparse_mla_workspace(device, kv_format: str = "bf16") -> Tensor:
     return torch.zeros(size, dtype=torch.uint8, device=device)
 
 
-# Triton releases whose sm_90 build of the Gluon kernel is tested spill-free
-# (tests/test_gluon_build.py): from 3.6, the first with this Gluon API, up to but not
-# including 3.9, whose register allocation spills the kernel in every format at one column
-# split (docs/backends.md, "Supported Triton releases").
-GLUON_TRITON = ((3, 6), (3, 9))
-
-
-def gluon_triton_unsupported(version: str) -> Optional[str]:
-    """``None`` when the Gluon kernel supports Triton ``version`` (e.g. ``"3.8.0"``), else why not."""
-    try:
-        release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        return f"the Gluon kernel cannot tell which Triton release {version!r} is"
-    if GLUON_TRITON[0] <= release < GLUON_TRITON[1]:
-        return None
-    (lo_major, lo_minor), (hi_major, hi_minor) = GLUON_TRITON
-    return (
-        f"the Gluon kernel supports Triton >= {lo_major}.{lo_minor}, < {hi_major}.{hi_minor} "
-        f"(Triton 3.9's sm_90 build of it spills registers), got triton {version}"
-    )
-
-
 def _triton_unavailable(device, kv_format):
     return backends.cuda_with_triton(device, kv_format)
 
