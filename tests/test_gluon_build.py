@@ -84,7 +84,7 @@ def build_indexer_sm90(heads: int, restrict: bool, page_shift: int):
     names = list(inspect.signature(kernel.fn).parameters)
     types = dict(q="*bf16", w="*fp32", t2r="*i32", n_entries="*i32", cache="*u8", table="*i32", allowed="*i8",
                  scores="*fp32", n_out="*i32")
-    options = dict(HI=max(16, heads), RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift)
+    options = dict(HI=max(16, heads), RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift, STAGES=gluon.STAGES)
     signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if signature[n].startswith("*") or n in ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at")}

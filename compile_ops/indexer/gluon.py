@@ -44,7 +44,7 @@ from compile_ops.mla.plan import num_sms
 # programs per SM: the occupancy the kernel's registers allow (4 warps each), so that one
 # launch fills every SM once and each program streams its token's blocks
 PROGRAMS_PER_SM = 4
-STAGES = gl.constexpr(4)  # key blocks in the ring: three copies in flight while one block's products run
+STAGES = 4  # key blocks in the ring (a power of two): three copies in flight while one block's products run
 # a key's 64 bytes in shared memory, 16-byte chunk j of row r at chunk j ^ (r // 2) % 4: the
 # copies stay 16 bytes, and a warp's word loads (8 rows, one chunk each) hit 32 banks
 KEY_SWIZZLE = gl.constexpr(gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
@@ -151,7 +151,7 @@ def _scores_fp4_kernel(
     q, w, t2r, n_entries, cache, table, allowed, scores, n_out,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, R, L, num_slots, page_size, Hi, S,
     rank, world, interleave, block, nb,
-    HI: gl.constexpr, RESTRICT: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+    HI: gl.constexpr, RESTRICT: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
 ):
     """Program ``(t, s)``: ``scores[t, c] = sum_h w[t, h] * relu(q[t, h] . key[c])`` for token
     ``t``'s blocks ``s, s + S, ...`` of ``BN`` entries (``-inf`` at holes and outside its
@@ -237,7 +237,7 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
         allowed.stride(0), R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
         rank, world, interleave, args.candidate_block, allowed.shape[-1],
         HI=max(16, triton.next_power_of_2(q.shape[1])), RESTRICT=args.candidates is not None, BN=BN,
-        PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, num_warps=4)
+        PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES, num_warps=4)
 
 
 def gluon_args_unsupported(args: IndexerArgs) -> Optional[str]:
