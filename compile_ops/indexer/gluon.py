@@ -2,19 +2,22 @@
 
 The same op, arguments and top-k as the ``triton`` backend (:mod:`compile_ops.indexer.triton`);
 only the scores kernel differs, for DeepSeek-V4.1's ``fp4`` keys. The tensor cores take no
-e2m1, and a portable kernel that widens every key in registers and lets the compiler move
-it into the MMA's layout spends most of its instructions on the moves. Here:
+e2m1, and the portable kernel's products leave it to the compiler to move the converted
+keys into the MMA's operand layout, which costs more than the conversion. Here:
 
-* each lane loads, for its two rows of the product, one 32-bit word per block of 32 values
-  straight in the layout of ``wgmma``'s register operand (no shared memory, no shuffles);
+* a ring of ``STAGES`` 64-entry blocks in shared memory, ``STAGES - 1`` of them in flight
+  (``cp.async``, 16 bytes a copy; each row's page is loaded a step before its copy);
+* each lane loads, for its two rows of the product, the one 32-bit word per block of 32
+  values that ``wgmma``'s register operand wants there;
 * masks and shifts turn its eight e2m1 codes into e4m3 bytes (value times ``2**-6``,
-  exactly; :func:`compile_ops.indexer.triton.e2m1_as_e4m3`): the low nibbles are the
+  exactly; :func:`compile_ops._triton_quant.e2m1_as_e4m3`): the low nibbles are the
   operand's columns ``4 t .. 4 t + 3`` of the block, the high ones ``16 + 4 t ..``, and the
-  queries' columns are permuted to match once per program;
+  query's columns are permuted to match, once per program;
 * each block of 32 values is one 32-deep e4m3 ``wgmma`` (four per 64-entry block, issued
-  together), whose fp32 result is exact; the key's and the query's power-of-two scales
-  multiply it after, so the scores are the reference's products, summed in fp32;
-* the next block's words are loaded while this block's products run.
+  together, one wait), whose fp32 result is exact; the key block's power-of-two scale
+  multiplies it after. The query's blocks are e4m3 relative to its head's largest block
+  (exact within 14 binades of it, :func:`_store_query`) and the head's scale joins its
+  weight, so a score is the reference's sum of exact products, summed in fp32.
 
 Program ``(t, s)`` takes blocks ``s, s + S, ...`` of token ``t``'s entries, as the portable
 kernel does, and stores the same scores (``-inf`` at holes, outside the candidate blocks
@@ -52,12 +55,10 @@ GLUON_MAX_HEADS = 64  # four [64, heads] fp32 products in registers
 
 
 @gluon.jit
-def _query_block(q_smem, p_q, m_h, g: gl.constexpr, QL: gl.constexpr):
-    """Block ``g`` (values ``32 g .. 32 g + 31``) of the token's queries ``[HI, 32]``
-    quantized like the keys (e2m1 codes under a power-of-two scale per head and 32 values),
-    stored as e4m3 into ``q_smem[g]`` with the operand's column order (column ``c < 16`` is
-    value ``2 c``, ``16 + c`` value ``2 c + 1``) once its scale exponent is known relative to
-    the head's largest: returns the codes and exponents for :func:`_store_query`."""
+def _query_block(p_q, m_h, g: gl.constexpr, QL: gl.constexpr):
+    """Block ``g`` (values ``32 g .. 32 g + 31``) of the token's queries quantized like the
+    keys: ``(e2m1 codes [HI, 32] int32, ue8m0 exponents [HI] int32)``, the columns in the
+    operand's order (column ``c < 16`` is value ``2 c``, ``16 + c`` value ``2 c + 1``)."""
     o_c = gl.arange(0, 32, gl.SliceLayout(0, QL))
     src = 32 * g + 2 * (o_c % 16) + o_c // 16
     return e2m1_rows(gl.load(p_q + src[None, :], mask=m_h[:, None], other=0.0).to(gl.float32))
@@ -125,7 +126,8 @@ def _operand(packed, A_L: gl.constexpr):
 
 @gluon.jit
 def _block_scores(k0, k1, k2, k3, exps, q_smem, b_w, zero, A_L: gl.constexpr):
-    """``[BN]`` scores of one block of keys (:func:`_fetch`): four 32-deep e4m3 products
+    """``[BN]`` scores of one block of keys (four ``[BN, 16]`` uint8 words a row, one per
+    block of 32 values, and ``exps``, the rows' ue8m0 bytes): four 32-deep e4m3 products
     (issued together, one wait), each times its key block's power-of-two scale, summed,
     then ``sum_h w[h] relu(.)`` (the query's scales are in its values and in ``b_w``)."""
     a0 = warpgroup_mma(_operand(k0, A_L), q_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -179,10 +181,10 @@ def _scores_fp4_kernel(
         o_h = gl.arange(0, HI, gl.SliceLayout(1, QL))
         m_h = o_h < Hi
         p_q = q + i_t * s_qt + o_h[:, None] * s_qh
-        c0, e0 = _query_block(q_smem, p_q, m_h, 0, QL)
-        c1, e1 = _query_block(q_smem, p_q, m_h, 1, QL)
-        c2, e2 = _query_block(q_smem, p_q, m_h, 2, QL)
-        c3, e3 = _query_block(q_smem, p_q, m_h, 3, QL)
+        c0, e0 = _query_block(p_q, m_h, 0, QL)
+        c1, e1 = _query_block(p_q, m_h, 1, QL)
+        c2, e2 = _query_block(p_q, m_h, 2, QL)
+        c3, e3 = _query_block(p_q, m_h, 3, QL)
         top = gl.maximum(gl.maximum(e0, e1), gl.maximum(e2, e3))
         _store_query(q_smem, c0, e0, top, 0)
         _store_query(q_smem, c1, e1, top, 1)
