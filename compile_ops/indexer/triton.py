@@ -13,7 +13,9 @@ capacity.
   the block table (e4m3 bytes and the fp32 scale of an ``fp8`` cache, or bf16; an fp8
   block that is one page's run of entries as one TMA bulk copy, :func:`key_blocks`,
   else row by row), ``tl.dot``\
-  s them with the queries (fp32 accumulation) and stores ``scale * sum_h w[h] * relu(dot)``
+  s them with the queries (fp32 accumulation; ``fp4``: the query quantized like the keys,
+  both as e4m3 bytes, one exact 32-deep product per block of 32 values times its two
+  scales; the ``gluon`` backend's kernel does the same on sm_90) and stores ``scale * sum_h w[h] * relu(dot)``
   (``-inf`` at holes and outside the candidate blocks) into a scores buffer.
 * the top-k (:func:`topk_of_rows`): ``_segment_topk_kernel`` holds a segment of a row in
   one program's registers, turns its scores into order-preserving 32-bit keys, finds the
@@ -97,10 +99,9 @@ def _dot(a, b, UPCAST: tl.constexpr):
 def _fp4_query(p_q, m_h, g: tl.constexpr):
     """Block ``g`` (values ``32 g .. 32 g + 31``) of a token's queries ``[HI, 32]`` quantized
     like the keys (:func:`compile_ops.indexer.cache.quantize_e2m1`): ``(codes as e4m3 [HI,
-    32], scale [HI] fp32)``, the scale times ``2**12`` (the key's and the query's ``2**-6``
-    of :func:`e2m1_as_e4m3`)."""
+    32], scale [HI] fp32)`` (the codes' values times ``2**-6``, :func:`e2m1_as_e4m3`)."""
     code, exponent = e2m1_rows(tl.load(p_q + 32 * g, mask=m_h[:, None], other=0.0).to(tl.float32))
-    return e2m1_code_as_e4m3(code), power_of_two(exponent + 12)
+    return e2m1_code_as_e4m3(code), power_of_two(exponent)
 
 
 @triton.jit
@@ -138,6 +139,7 @@ def _scores_kernel(
         b_q = to_e4m3(b_qf * power_of_two(254 - exponent)[:, None])
         b_w = b_w * power_of_two(exponent)
     if FP4:  # q quantized like the keys (quantize_e2m1): one e4m3 tile and scale per block of 32
+        b_w = b_w * 4096.0  # the keys' and the query's 2**-6 (e2m1_as_e4m3)
         p_q = q + i_t * s_qt + o_h[:, None] * s_qh + tl.arange(0, 32)[None, :]
         q0, qs0 = _fp4_query(p_q, m_h, 0)
         q1, qs1 = _fp4_query(p_q, m_h, 1)
