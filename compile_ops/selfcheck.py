@@ -322,7 +322,7 @@ def check_indexer_topk(index_format: str, gen: torch.Generator, device) -> Row:
                                    p["rows"].to(device), p["n"].to(device), p["k"], index_format).cpu()
     T, Hi = p["q"].shape[:2]
     error = float((got != want).any(1).sum())
-    return Row(f"indexer_topk[{index_format}]", compile_ops.backend_for("indexer", device),
+    return Row(f"indexer_topk[{index_format}]", compile_ops.backend_for("indexer", device, index_format),
                f"T={T} Hi={Hi} k={p['k']} n<=80", error, 0.0)
 
 
@@ -343,7 +343,7 @@ def check_indexer_candidates(index_format: str, gen: torch.Generator, device) ->
     error = float(((blocks.cpu() != p["blocks"]).any(1) | (inside != p["inside"]).any(1)).sum())
     ids, both = compile_ops.indexer_topk_and_candidates(*call, p["k"], p["nb"], p["block"], index_format)
     both_error = float(((ids.cpu() != want).any(1) | (both.cpu() != p["blocks"]).any(1)).sum())
-    backend = compile_ops.backend_for("indexer", device)
+    backend = compile_ops.backend_for("indexer", device, index_format)
     shapes = f"T={p['q'].shape[0]} blocks={p['nb']}x{p['block']} k={p['k']}"
     return [Row(f"indexer_candidates[{index_format}]", backend, shapes, error, 0.0),
             Row(f"indexer_topk_and_candidates[{index_format}]", backend, shapes, both_error, 0.0)]

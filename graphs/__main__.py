@@ -59,9 +59,21 @@ CPU_PROMPTS = (40, 9, 23, 3, 17, 30)
 LONG = 128 * 1024
 
 
-def backend_choice(name: str) -> dict[str, str]:
-    """``--backend name`` per op family: ``name`` where the family registers it, else ``auto``."""
-    return {f: name if name in compile_ops.backends.backends(f) else "auto" for f in OP_FAMILIES}
+def family_format(family: str, kv_format: str, index_format: str) -> str:
+    """The format a family's backends are chosen by: the index keys' for the indexer, the
+    attention cache's for the others."""
+    return index_format if family == "indexer" else kv_format
+
+
+def backend_choice(name: str, index_format: str) -> dict[str, str]:
+    """``--backend name`` per op family: ``name`` where the family registers it, else ``auto``;
+    the indexer's ``gluon`` backend reads ``fp4`` keys only, so with other keys the indexer
+    stays on ``auto`` (``--backend gluon``: the Gluon kernels wherever they serve the run)."""
+    def serves(family):
+        return name in compile_ops.backends.backends(family) and (
+            family != "indexer" or name != "gluon" or index_format == "fp4")
+
+    return {f: name if serves(f) else "auto" for f in OP_FAMILIES}
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -85,7 +97,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--backend", default="auto",
                    help="backend of every op family (sparse_mla, slots, combine, kv, indexer, linear): auto, "
                         "reference or triton; a backend only some families have (gluon, flashmla, flashinfer, "
-                        "scaled_mm) is used by those and the others stay auto (default: auto)")
+                        "scaled_mm) is used by those and the others stay auto; the indexer's gluon only with fp4 index "
+                        "keys (default: auto)")
     p.add_argument("--iters", type=int, default=20, help="GPU: timed iterations, x5 for replays (default: 20)")
     p.add_argument("--plot", help="GPU: PNG path for the step-time plot (default: no plot)")
     p.add_argument("--json", help="write all results here")
@@ -120,9 +133,9 @@ def parse_args(argv) -> argparse.Namespace:
         known = {name for family in OP_FAMILIES for name in compile_ops.backends.backends(family)} | {"auto"}
         if args.backend not in known:
             raise ValueError(f"--backend must be 'auto' or one of {sorted(known - {'auto'})}, got {args.backend!r}")
-        for family, name in backend_choice(args.backend).items():
+        for family, name in backend_choice(args.backend, args.index_format).items():
             with compile_ops.use_backends(**{family: name}):
-                compile_ops.backend_for(family, args.device, args.kv_format)
+                compile_ops.backend_for(family, args.device, family_format(family, args.kv_format, args.index_format))
         for ratio in args.ratios:  # every layer's geometry, before any work
             cfg, cache, _ = geometry(args, ratio)
             if ratio:
@@ -209,7 +222,8 @@ def run_layer(args, ratio, deadline) -> dict:
         outs, topk = run_workload(runner.step, work, xs, watch=layer.topk_ids if ratio else None, release=runner.release)
     info.update(graph_breaks=sum(counters["graph_break"].values()), dynamo_graphs=counters["stats"]["unique_graphs"],
                 cuda_graphs_captured=len(runner.graphs),
-                backends={f: compile_ops.backend_for(f, device, cache.kv_format) for f in OP_FAMILIES},
+                backends={f: compile_ops.backend_for(f, device, family_format(f, cache.kv_format, cache.index_format))
+                          for f in OP_FAMILIES},
                 workload={"requests": len(work.lengths), "steps": len(work.steps), **kinds})
     twin = None
     if args.weights == "fp8":  # the bf16 layer with the dequantized weights: the FP8 layer's meaning
@@ -439,7 +453,7 @@ def main(argv=None) -> int:
     if args.stack:
         from graphs.stack_job import run_stack
 
-        with compile_ops.use_backends(**backend_choice(args.backend)):
+        with compile_ops.use_backends(**backend_choice(args.backend, args.index_format)):
             info = run_stack(args)
         if args.json:
             with open(args.json, "w") as f:
@@ -448,7 +462,7 @@ def main(argv=None) -> int:
         return 0 if info["passed"] else 1
     results = {}
     for ratio in args.ratios:
-        with compile_ops.use_backends(**backend_choice(args.backend)):
+        with compile_ops.use_backends(**backend_choice(args.backend, args.index_format)):
             info = run_layer(args, ratio, deadline)
         report(info)
         results[f"ratio {ratio}"] = info

@@ -145,16 +145,19 @@ def test_selfcheck_has_a_row_for_every_op(capsys):
 
 def test_backend_applies_to_every_family():
     """``--backend reference`` runs every family on the reference (fp8_linear and the combine
-    included); a backend only sparse_mla has leaves the others on ``auto``."""
+    included); a backend only some families have leaves the others on ``auto``."""
     import dataclasses
 
     import compile_ops
 
     families = {f.name for f in dataclasses.fields(compile_ops.BackendConfig)}
     assert set(graphs_main.OP_FAMILIES) == families
-    assert graphs_main.backend_choice("reference") == dict.fromkeys(families, "reference")
-    gluon = graphs_main.backend_choice("gluon")
+    assert graphs_main.backend_choice("reference", "fp8") == dict.fromkeys(families, "reference")
+    gluon = graphs_main.backend_choice("gluon", "fp8")
     assert gluon["sparse_mla"] == "gluon" and {gluon[f] for f in families - {"sparse_mla"}} == {"auto"}
+    gluon = graphs_main.backend_choice("gluon", "fp4")  # the indexer's Gluon kernel reads fp4 keys
+    assert gluon["sparse_mla"] == gluon["indexer"] == "gluon"
+    assert {gluon[f] for f in families - {"sparse_mla", "indexer"}} == {"auto"}
 
 
 def test_oracle_verdict_fails_on_outputs_or_picks():
