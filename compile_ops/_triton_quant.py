@@ -1,6 +1,6 @@
 """Rounding helpers the Triton quantizers share (the KV and index-key row store, the
-indexer's query quantizer, the FP8 linear's token quantizer), and the e4m3 -> bf16 widening
-of the weight-only FP8 GEMM.
+indexer's query quantizer, the FP8 linear's token quantizer), the e4m3 -> bf16 widening
+of the weight-only FP8 GEMM and the e2m1 -> e4m3 bytes of the indexer's fp4 products.
 
 Each rounds in fp32 integer or exact-step arithmetic before any cast, so the cast that
 follows is exact and the bytes equal torch's on the GPU and under Triton's interpreter
@@ -83,7 +83,7 @@ def e2m1_value(code):
 
 
 # e2m1_as_e4m3's PTX: four bytes ($2) of two e2m1 codes each into the e4m3 bytes of their low
-# ($0) and high ($1) nibbles: a code s mmm moves to s 000 mmm 00, its value times 2**-6
+# ($0) and high ($1) nibbles: a code s mmm moves to s 00 mmm 00, its value times 2**-6
 _E2M1X8_TO_E4M3 = tl.constexpr("""{
 .reg .b32 a, b;
 shl.b32 a, $2, 4;
@@ -100,11 +100,12 @@ or.b32 $1, a, b;
 
 @triton.jit
 def e2m1_as_e4m3(packed, UPCAST: tl.constexpr):
-    """e4m3 ``[..., 2 * n]`` of uint8 ``packed [..., n]`` (two e2m1 codes a byte, the low
-    nibble first): each code's value times ``2**-6``, exactly. e2m1 ``s e e m`` (exponent bias
-    1) placed as e4m3 ``s 0 e e m 0 0`` keeps its sign, mantissa and subnormal, and e4m3's
-    exponent bias is 6 larger: two byte masks and shifts per four values, where widening to
-    bf16 takes four byte permutes per two (the tensor cores take e4m3, not e2m1)."""
+    """e4m3 ``[N, 2 * n]`` of uint8 ``packed [N, n]`` (two e2m1 codes a byte, the low nibble
+    the even-numbered value), in value order: each code's value times ``2**-6``, exactly.
+    e2m1 ``s e e m`` (exponent bias 1) placed as e4m3 ``s 0 0 e e m 0 0`` keeps its sign,
+    mantissa and subnormal, and e4m3's exponent bias is 6 larger: two byte masks and shifts
+    per four values, where widening to bf16 takes four byte permutes per two (the tensor
+    cores take e4m3, not e2m1)."""
     if UPCAST:  # the interpreter runs no PTX: the same bits in byte arithmetic
         lo = ((packed & 8) << 4) | ((packed & 7) << 2)
         hi = (packed & 128) | ((packed >> 2) & 28)
