@@ -47,6 +47,23 @@ def both(args, k, index_format="fp8", backend="auto", **kwargs):
         return compile_ops.indexer_topk(*args, k, index_format, **kwargs), want
 
 
+def assert_picks_the_top_scores(args, k, index_format, rel_tol):
+    """The op's ``k`` ids hold the reference's top scores (all of a token's valid entries
+    when fewer), each within ``rel_tol`` of the token's largest |score|."""
+    from compile_ops.indexer import ops
+    from compile_ops.indexer.reference import scores_reference
+
+    norm = ops._args(*args, k, ops._check_topk(*args, k, index_format))
+    scores = scores_reference(norm, 0, args[0].shape[0])
+    got = compile_ops.indexer_topk(*args, k, index_format)
+    ok = got >= 0
+    picked = torch.where(ok, scores.gather(1, got.clamp_min(0).long()), float("-inf"))
+    best = scores.topk(k, dim=1).values
+    tol = rel_tol * scores.masked_fill(scores.isinf(), 0).abs().amax(1, keepdim=True)
+    assert (ok.sum(1) == (best > float("-inf")).sum(1)).all()
+    assert ((picked - best).abs().masked_fill(~ok, 0) <= tol).all()
+
+
 CASES = [(1, 64, 2048, 1 << 19), (8, 32, 1024, 1 << 17), (64, 64, 512, 1 << 15), (256, 32, 2048, 1 << 13),
          (64, 32, 2048, 1 << 15)]
 
@@ -103,19 +120,7 @@ def test_gpu_fp4_query_blocks_far_below_their_head():
     q = q.float()
     q[:, :, 32:64] *= 2.0 ** -20
     q = q.bfloat16()
-    args = (q, weights.abs(), cache, table, rows, n)
-    from compile_ops.indexer import ops
-    from compile_ops.indexer.reference import scores_reference
-
-    norm = ops._args(*args, 256, ops._check_topk(*args, 256, "fp4"))
-    scores = scores_reference(norm, 0, 8)
-    got = compile_ops.indexer_topk(*args, 256, "fp4")
-    ok = got >= 0
-    picked = torch.where(ok, scores.gather(1, got.clamp_min(0).long()), float("-inf"))
-    best = scores.topk(256, dim=1).values
-    tol = 2.0 ** -14 * scores.masked_fill(scores.isinf(), 0).abs().amax(1, keepdim=True)
-    assert (ok.sum(1) == (best > float("-inf")).sum(1)).all()
-    assert ((picked - best).abs().masked_fill(~ok, 0) <= tol).all()
+    assert_picks_the_top_scores((q, weights.abs(), cache, table, rows, n), 256, "fp4", 2.0 ** -14)
 
 
 def test_gpu_causal_prefill_chunk():
@@ -151,15 +156,4 @@ def test_gpu_random_floats_pick_the_top_scores():
     the reference's top scores within the accumulation's rounding."""
     q, weights, cache, table, rows, n = make_problem("fp8", 8, 64, 4, 64, 64, seed=1, integer=False)
     args = (q.cuda(), weights.cuda(), cache.cuda(), table.cuda(), rows.cuda(), n.cuda())
-    from compile_ops.indexer import ops
-    from compile_ops.indexer.reference import scores_reference
-
-    norm = ops._args(*args, 256, ops._check_topk(*args, 256, "fp8"))
-    scores = scores_reference(norm, 0, 8)
-    got = compile_ops.indexer_topk(*args, 256, "fp8")
-    ok = got >= 0
-    picked = torch.where(ok, scores.gather(1, got.clamp_min(0).long()), float("-inf"))
-    best = scores.topk(256, dim=1).values
-    tol = 1e-4 * scores.masked_fill(scores.isinf(), 0).abs().amax(1, keepdim=True)
-    assert (ok.sum(1) == (best > float("-inf")).sum(1)).all()
-    assert ((picked - best).abs().masked_fill(~ok, 0) <= tol).all()
+    assert_picks_the_top_scores(args, 256, "fp8", 1e-4)
