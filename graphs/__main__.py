@@ -44,6 +44,7 @@ import compile_ops
 from compile_ops._cli import description
 from compile_ops.formats import KV_FORMATS
 from compile_ops.indexer.cache import INDEX_FORMATS
+from compile_ops.indexer.ops import GLUON_INDEX_FORMATS
 from graphs import (DEFAULT_BUCKETS, PRESETS, TINY, V41_CACHE_FORMATS, V41_FLASH, CacheConfig, DSV41Attention, StepRunner,
                     buffer_bytes)
 from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
@@ -67,11 +68,12 @@ def family_format(family: str, kv_format: str, index_format: str) -> str:
 
 def backend_choice(name: str, index_format: str) -> dict[str, str]:
     """``--backend name`` per op family: ``name`` where the family registers it, else ``auto``;
-    the indexer's ``gluon`` backend reads ``fp4`` keys only, so with other keys the indexer
-    stays on ``auto`` (``--backend gluon``: the Gluon kernels wherever they serve the run)."""
+    the indexer's ``gluon`` backend reads ``fp4`` and ``fp8`` keys only, so with ``bf16`` keys
+    the indexer stays on ``auto`` (``--backend gluon``: the Gluon kernels wherever they serve
+    the run)."""
     def serves(family):
         return name in compile_ops.backends.backends(family) and (
-            family != "indexer" or name != "gluon" or index_format == "fp4")
+            family != "indexer" or name != "gluon" or index_format in GLUON_INDEX_FORMATS)
 
     return {f: name if serves(f) else "auto" for f in OP_FAMILIES}
 

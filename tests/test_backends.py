@@ -68,8 +68,8 @@ def test_gluon_backend_priority_and_reason_off_gpu():
     with compile_ops.use_backends(sparse_mla="gluon", indexer="gluon"):
         with pytest.raises(ValueError, match="Gluon kernels run on CUDA devices only"):
             compile_ops.backend_for("sparse_mla", "cpu")
-        with pytest.raises(ValueError, match="reads fp4 index keys only, got fp8"):
-            compile_ops.backend_for("indexer", "cpu", "fp8")
+        with pytest.raises(ValueError, match="reads fp4 and fp8 index keys only, got bf16"):
+            compile_ops.backend_for("indexer", "cpu", "bf16")
         with pytest.raises(ValueError, match="Gluon kernels run on CUDA devices only"):
             compile_ops.backend_for("indexer", "cpu", "fp4")
 

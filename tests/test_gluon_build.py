@@ -23,9 +23,10 @@ pytest.importorskip("triton")
 # "window+compressed": a call of two formats (DeepSeek-V4.1's)
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41", "fp8_dsv41+fp4_dsv41"]
 BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
-# the indexer's fp4 scores kernel (compile_ops/indexer/gluon.py): "indexer:heads:restrict:page shift"
+# the indexer's scores kernel (compile_ops/indexer/gluon.py): "indexer:format:heads:restrict:page shift"
 # (V4.1's 32 index heads and V4's 64; candidate blocks or not; power-of-two pages or any)
-INDEXER_BUILDS = ["indexer:32:0:6", "indexer:32:1:-1", "indexer:64:0:5", "indexer:64:1:6", "indexer:16:0:6"]
+INDEXER_BUILDS = [f"indexer:{fmt}:{build}" for fmt in ("fp4", "fp8")
+                  for build in ("32:0:6", "32:1:-1", "64:0:5", "64:1:6", "16:0:6")]
 
 SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt into on sm_90
 POINTER_TYPES = {
@@ -70,9 +71,10 @@ def build_sm90(kv_format, dsplit):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
 
-def build_indexer_sm90(heads: int, restrict: bool, page_shift: int):
-    """:func:`compile_ops.indexer.gluon._scores_fp4_kernel` compiled for sm_90 as
-    :func:`compile_ops.indexer.gluon.launch_scores_gluon` launches it for ``heads`` index heads."""
+def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift: int):
+    """:func:`compile_ops.indexer.gluon._scores_kernel` compiled for sm_90 as
+    :func:`compile_ops.indexer.gluon.launch_scores_gluon` launches it for ``heads`` index heads
+    over ``index_format`` keys."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -80,11 +82,12 @@ def build_indexer_sm90(heads: int, restrict: bool, page_shift: int):
     from compile_ops.indexer import gluon
     from compile_ops.indexer.triton import BN
 
-    kernel = gluon._scores_fp4_kernel
+    kernel = gluon._scores_kernel
     names = list(inspect.signature(kernel.fn).parameters)
     types = dict(q="*bf16", w="*fp32", t2r="*i32", n_entries="*i32", cache="*u8", table="*i32", allowed="*i8",
                  scores="*fp32", n_out="*i32")
-    options = dict(HI=max(16, heads), RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift, STAGES=gluon.STAGES)
+    options = dict(HI=max(16, heads), RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift, STAGES=gluon.STAGES,
+                   FP4=index_format == "fp4")
     signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if signature[n].startswith("*") or n in ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at")}
@@ -98,8 +101,8 @@ def build_report(build):
     from sm90_build import full_sass
 
     if build.startswith("indexer:"):
-        _, heads, restrict, page_shift = build.split(":")
-        compiled = build_indexer_sm90(int(heads), restrict == "1", int(page_shift))
+        _, index_format, heads, restrict, page_shift = build.split(":")
+        compiled = build_indexer_sm90(index_format, int(heads), restrict == "1", int(page_shift))
         sass = full_sass(compiled.asm["cubin"])
         return dict(shared=compiled.metadata.shared, spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
                     wgmma=sass.count("QGMMA"), copies=sass.count("LDGSTS.E.BYPASS.128"))
@@ -141,10 +144,11 @@ def test_gluon_kernel_builds_for_sm90_without_spills(build, reports):
 
 
 @pytest.mark.parametrize("build", INDEXER_BUILDS)
-def test_indexer_fp4_scores_build_for_sm90_without_spills(build, reports):
-    """The fp4 scores kernel: no spills at 16 to 64 heads, its keys copied 16 bytes a
-    ``cp.async`` (a wider or narrower row layout would split them), four e4m3 ``wgmma`` a
-    block (one per 32 values, each under its own scales)."""
+def test_indexer_scores_build_for_sm90_without_spills(build, reports):
+    """The scores kernel: no spills at 16 to 64 heads, its keys copied 16 bytes a
+    ``cp.async`` (a wider or narrower row layout would split them), four 32-deep e4m3
+    ``wgmma`` a block (fp4: one per 32 values, each under its own scales; fp8: one
+    128-deep product from shared memory)."""
     report = reports[build]
     assert report["shared"] <= SM90_SHARED_BYTES, f"{report['shared']} bytes of shared memory"
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"

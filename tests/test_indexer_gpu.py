@@ -38,11 +38,10 @@ def big_problem(T, Hi, n_max, page_size=64, seed=0, causal=False, index_format="
 
 
 def both(args, k, index_format="fp8", backend="auto", **kwargs):
-    """The op on ``backend`` (``auto``: on sm_90, Gluon's scores for fp4 keys, the tl
-    kernel's else) and on the reference."""
+    """The op on ``backend`` (``auto``: on sm_90, Gluon's scores kernel) and on the reference."""
     with compile_ops.use_backends(indexer="reference"):
         want = compile_ops.indexer_topk(*args, k, index_format, **kwargs)
-    assert compile_ops.backend_for("indexer", "cuda", index_format) == ("gluon" if index_format == "fp4" else "triton")
+    assert compile_ops.backend_for("indexer", "cuda", index_format) == "gluon"
     with compile_ops.use_backends(indexer=backend):
         return compile_ops.indexer_topk(*args, k, index_format, **kwargs), want
 
@@ -75,32 +74,35 @@ def test_gpu_matches_reference(T, Hi, k, n_max, index_format):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("index_format", ["fp4", "fp8"])
 @pytest.mark.parametrize("backend", ["gluon", "triton"])
-@pytest.mark.parametrize("page_size", [16, 48, 128])
-def test_gpu_fp4_keys_on_both_scores_kernels(backend, page_size):
-    """fp4 keys through the Gluon scores kernel and the tl one, on pages smaller than a
-    block, not a power of two, and larger than a block, in score and id order."""
-    args = big_problem(64, 32, 3 * 2048, page_size=page_size, seed=page_size, index_format="fp4")
+@pytest.mark.parametrize("page_size", [16, 32, 48, 128])
+def test_gpu_keys_on_both_scores_kernels(backend, page_size, index_format):
+    """Keys through the Gluon scores kernel and the tl one, on pages smaller than a block
+    (32: DeepSeek's 64-token blocks at ratio 2), not a power of two, and larger than a
+    block, in score and id order."""
+    args = big_problem(64, 32, 3 * 2048, page_size=page_size, seed=page_size, index_format=index_format)
     for order in ("score", "id"):
-        got, want = both(args, 512, "fp4", backend, order=order)
+        got, want = both(args, 512, index_format, backend, order=order)
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("index_format", ["fp4", "fp8"])
 @pytest.mark.parametrize("backend", ["gluon", "triton"])
-def test_gpu_fp4_candidates_and_capture(backend):
-    """fp4 keys inside candidate blocks (the scores kernel's mask), replayed from a CUDA
-    graph with new counts and no host sync."""
-    q, weights, cache, table, rows, n = big_problem(16, 32, 1 << 14, seed=5, index_format="fp4")
+def test_gpu_candidates_and_capture(backend, index_format):
+    """Keys inside candidate blocks (the scores kernel's mask), replayed from a CUDA graph
+    with new counts and no host sync."""
+    q, weights, cache, table, rows, n = big_problem(16, 32, 1 << 14, seed=5, index_format=index_format)
     gen = torch.Generator(device="cuda").manual_seed(2)
     cand = torch.randint(-1, (1 << 14) // 64, (16, 24), device="cuda", generator=gen, dtype=i32)
     args = (q, weights, cache, table, rows, n)
     kw = dict(candidates=cand, candidate_block=64)
     with compile_ops.use_backends(indexer=backend):
-        compile_ops.indexer_topk(*args, 256, "fp4", **kw)
+        compile_ops.indexer_topk(*args, 256, index_format, **kw)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = compile_ops.indexer_topk(*args, 256, "fp4", **kw)
+            out = compile_ops.indexer_topk(*args, 256, index_format, **kw)
     torch.cuda.set_sync_debug_mode("error")
     try:
         n.copy_(torch.randint(1, 1 << 14, (16,), device="cuda", generator=gen, dtype=i32))
@@ -108,7 +110,7 @@ def test_gpu_fp4_candidates_and_capture(backend):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     with compile_ops.use_backends(indexer="reference"):
-        want = compile_ops.indexer_topk(*args, 256, "fp4", **kw)
+        want = compile_ops.indexer_topk(*args, 256, index_format, **kw)
     assert torch.equal(out, want)
 
 

@@ -5,7 +5,8 @@ Decode cases (``T`` tokens, one request each, ``n`` entries per request, an fp8 
 CUDA-graph replay, the index-key bytes it must read (``T * n * 132``, fp4 ``T * n * 68``) as
 GB/s and as a share of the H200's 4.3 TB/s, next to the same call of
 ``torch.compile``'d plain torch (gather, dequantize, ``einsum``, ``torch.topk``; only where
-its ``[T, n, 128]`` keys fit in 2 GiB) and to ``torch.topk`` alone on the op's own scores,
+its ``[T, n, 128]`` keys fit in 2 GiB), to the op on the ``triton`` backend (the portable
+scores kernel) where ``auto`` picks another, and to ``torch.topk`` alone on the op's own scores,
 against the op's top-k kernels alone on them; each in descending score and in id order
 (``order="id"``, the attention layer's call, which sorts nothing). Then the capacity check:
 64 requests of 1K entries in caches whose block tables address 1K and 256K entries.
@@ -30,18 +31,18 @@ K = 512  # DeepSeek-V4.1-Flash's index_topk
 DENSE_LIMIT = 1 << 29  # elements of the compiled reference's dequantized keys (2 GiB fp32)
 
 
-def problem(T: int, n: int, capacity: int, device, index_format: str = "fp8", heads: int = HEADS):
-    """``T`` tokens of ``T`` requests with ``n`` entries each, in a table addressing
-    ``capacity`` entries per request (pages past ``n`` are ``-1``)."""
+def problem(T: int, n: int, capacity: int, device, index_format: str = "fp8", heads: int = HEADS, page: int = PAGE):
+    """``T`` tokens of ``T`` requests with ``n`` entries each, in a table of ``page``-entry
+    pages addressing ``capacity`` entries per request (pages past ``n`` are ``-1``)."""
     import compile_ops
     from compile_ops.indexer.cache import new_index_cache
 
     gen = torch.Generator(device=device).manual_seed(T + n)
-    used = -(-n // PAGE)
-    cache = new_index_cache(index_format, T * used, PAGE, device=device)
-    compile_ops.write_index_keys(cache, torch.arange(T * used * PAGE, device=device),
-                                 torch.randn(T * used * PAGE, 128, device=device, generator=gen), index_format)
-    table = torch.full((T, capacity // PAGE), -1, dtype=torch.int32, device=device)
+    used = -(-n // page)
+    cache = new_index_cache(index_format, T * used, page, device=device)
+    compile_ops.write_index_keys(cache, torch.arange(T * used * page, device=device),
+                                 torch.randn(T * used * page, 128, device=device, generator=gen), index_format)
+    table = torch.full((T, capacity // page), -1, dtype=torch.int32, device=device)
     table[:, :used] = torch.randperm(T * used, device=device, generator=gen).to(torch.int32).view(T, used)
     q = torch.randn(T, heads, 128, device=device, generator=gen).bfloat16()
     weights = torch.randn(T, heads, device=device, generator=gen)
@@ -54,9 +55,10 @@ def dense_reference(q, weights, cache, table, rows, counts, index_format):
     """Plain torch over every addressed entry: gather, dequantize, score, ``torch.topk``."""
     from compile_ops.indexer.cache import dequantize_e2m1, quantize_e2m1, quantize_e4m3, read_index_keys
 
-    L = table.shape[1] * PAGE
+    page = cache.shape[1]
+    L = table.shape[1] * page
     ids = torch.arange(L, device=q.device)
-    slots = table[rows.long()][:, ids // PAGE].long() * PAGE + ids % PAGE
+    slots = table[rows.long()][:, ids // page].long() * page + ids % page
     valid = (ids < counts.unsqueeze(1)) & (slots >= 0)
     keys = read_index_keys(cache, torch.where(valid, slots, -1), index_format)
     if index_format == "fp4":
@@ -79,6 +81,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--plot", default="", help="PNG of GB/s against entries per request")
     parser.add_argument("--index-format", choices=("fp8", "fp4"), default="fp8", help="the index-key cache's format")
     parser.add_argument("--heads", type=int, default=HEADS, help="index heads (DeepSeek-V4.1: 32)")
+    parser.add_argument("--page-size", type=int, default=PAGE,
+                        help="entries per index-cache page (DeepSeek's 64-token blocks at ratio 2: 32)")
     args = parser.parse_args(argv)
     if no_cuda("indexer"):
         return 1
@@ -88,15 +92,21 @@ def main(argv: list[str]) -> int:
     from compile_ops.indexer.cache import get_index_format
     from compile_ops.indexer.inputs import local_counts
 
-    fmt_name, heads = args.index_format, args.heads
+    fmt_name, heads, page = args.index_format, args.heads, args.page_size
+    backend = compile_ops.backend_for("indexer", "cuda", fmt_name)
     entry_bytes = get_index_format(fmt_name).bytes_per_token
     device = torch.device("cuda")
     todo = [(T, n) for n in args.entries for T in args.tokens]
     rows = []
     compiled_reference = torch.compile(dense_reference, dynamic=False)
     for T, n in progress(todo, desc="indexer", unit="case"):
-        p = problem(T, n, n, device, fmt_name, heads)
+        p = problem(T, n, n, device, fmt_name, heads, page)
         op_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, fmt_name), args.calls, args.replays)
+        portable_us = None
+        if backend != "triton":
+            with compile_ops.use_backends(indexer="triton"):
+                portable_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, fmt_name), args.calls,
+                                            args.replays)
         # the layer's call: the same ids in id order, no sort
         op_id_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, fmt_name, order="id"), args.calls,
                                  args.replays)
@@ -115,6 +125,7 @@ def main(argv: list[str]) -> int:
             ref_us = graph_time_us(lambda: compiled_reference(*p, fmt_name), 2, 3)
         nbytes = T * n * entry_bytes
         rows.append(dict(T=T, entries=n, key_bytes=nbytes, op_us=round(op_us, 1), op_id_order_us=round(op_id_us, 1),
+                         triton_backend_us=None if portable_us is None else round(portable_us, 1),
                          GBps=round(nbytes / op_us / 1e3, 1),
                          pct_hbm=round(100 * nbytes / op_us / 1e-6 / HBM_BYTES_PER_S, 1),
                          compiled_reference_us=None if ref_us is None else round(ref_us, 1),
@@ -122,20 +133,21 @@ def main(argv: list[str]) -> int:
                          torch_topk_us=round(torch_topk_us, 1)))
     capacity = {}
     for cap in (1024, 262144):
-        p = problem(64, 1024, cap, device, fmt_name, heads)
+        p = problem(64, 1024, cap, device, fmt_name, heads, page)
         capacity[cap] = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, fmt_name), args.calls, args.replays)
     with open(args.csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\n{torch.cuda.get_device_name()}; {fmt_name} index cache, {heads} heads, k = {K}; csv: {args.csv}\n")
-    print("| T | entries / request | op us | op us, id order | key GB/s | % of 4.3 TB/s | compiled plain torch us | "
-          "top-k kernels us | top-k, id order | torch.topk us |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"\n{torch.cuda.get_device_name()}; {fmt_name} index cache, {page}-entry pages, {heads} heads, k = {K}; "
+          f"backend {backend}; csv: {args.csv}\n")
+    print("| T | entries / request | op us | op us, id order | triton backend us | key GB/s | % of 4.3 TB/s | "
+          "compiled plain torch us | top-k kernels us | top-k, id order | torch.topk us |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        ref = "-" if r["compiled_reference_us"] is None else r["compiled_reference_us"]
-        print(f"| {r['T']} | {r['entries']} | {r['op_us']} | {r['op_id_order_us']} | {r['GBps']} | {r['pct_hbm']} | "
-              f"{ref} | {r['topk_kernel_us']} | {r['topk_id_order_us']} | {r['torch_topk_us']} |")
+        ref, tl_us = ("-" if r[key] is None else r[key] for key in ("compiled_reference_us", "triton_backend_us"))
+        print(f"| {r['T']} | {r['entries']} | {r['op_us']} | {r['op_id_order_us']} | {tl_us} | {r['GBps']} | "
+              f"{r['pct_hbm']} | {ref} | {r['topk_kernel_us']} | {r['topk_id_order_us']} | {r['torch_topk_us']} |")
     print(f"\ncapacity: 64 requests x 1K entries: {capacity[1024]:.1f} us in a table of 1K entries per request, "
           f"{capacity[262144]:.1f} us in one of 256K ({capacity[262144] / capacity[1024]:.2f}x)")
     if args.plot:
@@ -152,7 +164,7 @@ def main(argv: list[str]) -> int:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("entries per request")
         ax.set_ylabel("index-key GB/s")
-        ax.set_title(f"indexer_topk ({fmt_name}, {heads} heads, k = {K})")
+        ax.set_title(f"indexer_topk ({fmt_name}, {page}-entry pages, {heads} heads, k = {K})")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

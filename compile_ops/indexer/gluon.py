@@ -37,7 +37,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from compile_ops._triton_quant import _E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, power_of_two, to_e4m3
+from compile_ops._triton_quant import (_E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, power_of_two, to_e4m3,
+                                      ue8m0_exponent)
 from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
 from compile_ops.indexer.triton import (BN, _local_count, indexer_candidates_triton, indexer_topk_and_candidates_triton,
                                         indexer_topk_triton)
@@ -90,11 +91,11 @@ def _pages(table, row, n_t, blk, s_bt, page_size, PAGE_SHIFT: gl.constexpr, BN: 
 @gluon.jit
 def _copy_block(kbuf, ebuf, vbuf, stage, page, cache, allowed, i_t, n_t, blk, s_page, s_at, num_slots, page_size,
                 rank, world, interleave, block, nb, RESTRICT: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-                BN: gl.constexpr, CPL: gl.constexpr):
+                BN: gl.constexpr, ROW_BYTES: gl.constexpr, CPL: gl.constexpr):
     """Start copying block ``blk``'s keys (``page``: :func:`_pages`) into ring slot ``stage``:
-    the rows' 64 bytes into ``kbuf``, their four ue8m0 bytes into ``ebuf`` (``cp.async``, 16
-    and 4 bytes a copy; rows with no scored entry are zero-filled), and which rows hold a
-    scored entry into ``vbuf``."""
+    the rows' ``ROW_BYTES`` key bytes into ``kbuf`` (``kbuf``'s dtype), their four scale
+    bytes (after the page's rows) into ``ebuf`` (``cp.async``, 16 and 4 bytes a copy; rows
+    with no scored entry are zero-filled), and which rows hold a scored entry into ``vbuf``."""
     CROW: gl.constexpr = gl.SliceLayout(1, CPL)
     c = blk * BN + gl.arange(0, BN, CROW)
     if PAGE_SHIFT >= 0:
@@ -107,9 +108,10 @@ def _copy_block(kbuf, ebuf, vbuf, stage, page, cache, allowed, i_t, n_t, blk, s_
         g_blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
         valid = valid & (gl.load(allowed + i_t * s_at + g_blk, mask=valid & (g_blk < nb), other=0) != 0)
     base = cache + gl.where(valid, page, 0) * s_page
-    o_b = gl.arange(0, 64, gl.SliceLayout(0, CPL))
-    _async_load(kbuf.index(stage), (base + off * 64)[:, None] + o_b[None, :], mask=valid[:, None])
-    _async_load(ebuf.index(stage), (base + page_size * 64 + off * 4).to(gl.pointer_type(gl.int32)), mask=valid)
+    o_b = gl.arange(0, ROW_BYTES, gl.SliceLayout(0, CPL))
+    rows = (base + off * ROW_BYTES).to(gl.pointer_type(kbuf.dtype))
+    _async_load(kbuf.index(stage), rows[:, None] + o_b[None, :], mask=valid[:, None])
+    _async_load(ebuf.index(stage), (base + page_size * ROW_BYTES + off * 4).to(gl.pointer_type(gl.int32)), mask=valid)
     async_copy.commit_group()
     vbuf.index(stage).store(valid.to(gl.int32))
 
@@ -149,15 +151,54 @@ def _key_scale(exps, g: gl.constexpr):
 
 
 @gluon.jit
-def _scores_fp4_kernel(
+def _fp4_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, COL: gl.constexpr):
+    """Token ``i_t``'s queries quantized like fp4 keys into ``q_smem [4, HI, 32]`` e4m3
+    (:func:`_store_query`); returns its weights times each head's scale ``[HI]`` fp32."""
+    QL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    o_h = gl.arange(0, HI, gl.SliceLayout(1, QL))
+    m_h = o_h < Hi
+    p_q = q + i_t * s_qt + o_h[:, None] * s_qh
+    c0, e0 = _query_block(p_q, m_h, 0, QL)
+    c1, e1 = _query_block(p_q, m_h, 1, QL)
+    c2, e2 = _query_block(p_q, m_h, 2, QL)
+    c3, e3 = _query_block(p_q, m_h, 3, QL)
+    top = gl.maximum(gl.maximum(e0, e1), gl.maximum(e2, e3))
+    _store_query(q_smem, c0, e0, top, 0)
+    _store_query(q_smem, c1, e1, top, 1)
+    _store_query(q_smem, c2, e2, top, 2)
+    _store_query(q_smem, c3, e3, top, 3)
+    # the head's scale 2 ** (top - 127) over _store_query's 2**6, times the keys' 2**6 (e2m1_as_e4m3)
+    o_w = gl.arange(0, HI, COL)
+    return gl.load(w + i_t * s_wt + o_w, mask=o_w < Hi, other=0.0) * gl.convert_layout(power_of_two(top), COL)
+
+
+@gluon.jit
+def _fp8_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, COL: gl.constexpr):
+    """Token ``i_t``'s queries quantized like fp8 keys (e4m3, one power-of-two scale per head,
+    :func:`compile_ops._triton_quant.ue8m0_exponent`) into ``q_smem [HI, 128]``; returns its
+    weights times each head's scale ``[HI]`` fp32."""
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    o_h = gl.arange(0, HI, gl.SliceLayout(1, QL))
+    o_d = gl.arange(0, 128, gl.SliceLayout(0, QL))
+    x = gl.load(q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], mask=(o_h < Hi)[:, None], other=0.0)
+    x = x.to(gl.float32)
+    exponent = ue8m0_exponent(gl.max(gl.abs(x), 1))
+    q_smem.store(to_e4m3(x * power_of_two(254 - exponent)[:, None]))
+    o_w = gl.arange(0, HI, COL)
+    return gl.load(w + i_t * s_wt + o_w, mask=o_w < Hi, other=0.0) * gl.convert_layout(power_of_two(exponent), COL)
+
+
+@gluon.jit
+def _scores_kernel(
     q, w, t2r, n_entries, cache, table, allowed, scores, n_out,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, R, L, num_slots, page_size, Hi, S,
     rank, world, interleave, block, nb,
     HI: gl.constexpr, RESTRICT: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
+    FP4: gl.constexpr,
 ):
-    """Program ``(t, s)``: ``scores[t, c] = sum_h w[t, h] * relu(q[t, h] . key[c])`` for token
-    ``t``'s blocks ``s, s + S, ...`` of ``BN`` entries (``-inf`` at holes and outside its
-    candidate blocks), ``n_out[t]`` its local count (program 0)."""
+    """Program ``(t, s)``: ``scores[t, c] = sum_h w[t, h] * relu(q[t, h] . key[c])`` (fp8: times
+    the key's scale) for token ``t``'s blocks ``s, s + S, ...`` of ``BN`` entries (``-inf`` at
+    holes and outside its candidate blocks), ``n_out[t]`` its local count (program 0)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HI, 32])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4)
     # A_L's registers, lanes and warps for one block's 16 packed bytes: a lane's word per row
@@ -166,8 +207,9 @@ def _scores_fp4_kernel(
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BN, 16])
     ROW: gl.constexpr = gl.SliceLayout(1, ACC)
     COL: gl.constexpr = gl.SliceLayout(0, ACC)
-    QL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    CPL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # the copies: 16 bytes a lane
+    ROW_BYTES: gl.constexpr = 64 if FP4 else 128
+    # the copies: 16 bytes a lane, a row's bytes over ROW_BYTES // 16 lanes
+    CPL: gl.constexpr = gl.BlockedLayout([1, 16], [512 // ROW_BYTES, ROW_BYTES // 16], [4, 1], [1, 0])
     CROW: gl.constexpr = gl.SliceLayout(1, CPL)
 
     i_t, i_s = gl.program_id(0), gl.program_id(1)
@@ -176,48 +218,55 @@ def _scores_fp4_kernel(
         gl.store(n_out + i_t, n_t)
     nb_t = gl.cdiv(n_t, BN)
     if i_s < nb_t:
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, HI, 32],
-                                           gl.NVMMASharedLayout.get_default_for([HI, 32], gl.float8e4nv))
-        o_h = gl.arange(0, HI, gl.SliceLayout(1, QL))
-        m_h = o_h < Hi
-        p_q = q + i_t * s_qt + o_h[:, None] * s_qh
-        c0, e0 = _query_block(p_q, m_h, 0, QL)
-        c1, e1 = _query_block(p_q, m_h, 1, QL)
-        c2, e2 = _query_block(p_q, m_h, 2, QL)
-        c3, e3 = _query_block(p_q, m_h, 3, QL)
-        top = gl.maximum(gl.maximum(e0, e1), gl.maximum(e2, e3))
-        _store_query(q_smem, c0, e0, top, 0)
-        _store_query(q_smem, c1, e1, top, 1)
-        _store_query(q_smem, c2, e2, top, 2)
-        _store_query(q_smem, c3, e3, top, 3)
-        # the head's scale 2 ** (top - 127) over _store_query's 2**6, times the keys' 2**6 (e2m1_as_e4m3)
-        o_w = gl.arange(0, HI, COL)
-        b_w = gl.load(w + i_t * s_wt + o_w, mask=o_w < Hi, other=0.0) * gl.convert_layout(power_of_two(top), COL)
+        if FP4:
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, HI, 32],
+                                               gl.NVMMASharedLayout.get_default_for([HI, 32], gl.float8e4nv))
+            b_w = _fp4_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI, COL)
+            # registers are the products' operand: a swizzle for the word loads
+            kbuf = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], KEY_SWIZZLE)
+        else:
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [HI, 128],
+                                               gl.NVMMASharedLayout.get_default_for([HI, 128], gl.float8e4nv))
+            b_w = _fp8_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI, COL)
+            # the products read the keys from shared memory: the MMA's layout
+            kbuf = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128],
+                                             gl.NVMMASharedLayout.get_default_for([BN, 128], gl.float8e4nv))
         fence_async_shared()
         zero = gl.zeros([BN, HI], gl.float32, ACC)
         p_s = scores + i_t.to(gl.int64) * s_st
-        kbuf = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], KEY_SWIZZLE)
         ebuf = gl.allocate_shared_memory(gl.int32, [STAGES, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         # blocks i_s, i_s + S, ... in a ring of STAGES slots: STAGES - 1 copies in flight
         for j in gl.static_range(STAGES - 1):
             page = _pages(table, row, n_t, i_s + j * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
             _copy_block(kbuf, ebuf, vbuf, j, page, cache, allowed, i_t, n_t, i_s + j * S, s_page, s_at, num_slots,
-                        page_size, rank, world, interleave, block, nb, RESTRICT, PAGE_SHIFT, BN, CPL)
+                        page_size, rank, world, interleave, block, nb, RESTRICT, PAGE_SHIFT, BN, ROW_BYTES, CPL)
         page = _pages(table, row, n_t, i_s + (STAGES - 1) * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
         for i in range(0, gl.cdiv(nb_t - i_s, S)):
             blk = i_s + i * S
             ahead = blk + (STAGES - 1) * S
             next_page = _pages(table, row, n_t, ahead + S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
             async_copy.wait_group(STAGES - 2)  # this thread's copies of block blk have landed ...
+            if not FP4:
+                fence_async_shared()  # ... visible to the tensor cores' reads ...
             _cta_barrier()  # ... and every thread's; the slot refilled below was read one step ago
             st = i % STAGES
-            _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead, s_page,
-                        s_at, num_slots, page_size, rank, world, interleave, block, nb, RESTRICT, PAGE_SHIFT, BN, CPL)
             keys = kbuf.index(st)
-            b_s = _block_scores(keys.slice(0, 16, dim=1).load(KL), keys.slice(16, 16, dim=1).load(KL),
-                                keys.slice(32, 16, dim=1).load(KL), keys.slice(48, 16, dim=1).load(KL),
-                                ebuf.index(st).load(ROW), q_smem, b_w, zero, A_L)
+            if FP4:
+                _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead,
+                            s_page, s_at, num_slots, page_size, rank, world, interleave, block, nb, RESTRICT,
+                            PAGE_SHIFT, BN, ROW_BYTES, CPL)
+                b_s = _block_scores(keys.slice(0, 16, dim=1).load(KL), keys.slice(16, 16, dim=1).load(KL),
+                                    keys.slice(32, 16, dim=1).load(KL), keys.slice(48, 16, dim=1).load(KL),
+                                    ebuf.index(st).load(ROW), q_smem, b_w, zero, A_L)
+            else:  # one 128-deep product from shared memory, issued before the next copy
+                acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+                _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead,
+                            s_page, s_at, num_slots, page_size, rank, world, interleave, block, nb, RESTRICT,
+                            PAGE_SHIFT, BN, ROW_BYTES, CPL)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                b_s = gl.sum(gl.maximum(acc, 0.0) * b_w[None, :], 1) * ebuf.index(st).load(ROW).to(gl.float32,
+                                                                                                bitcast=True)
             c = blk * BN + gl.arange(0, BN, ROW)
             gl.store(p_s + c, gl.where(vbuf.index(st).load(ROW) != 0, b_s, float("-inf")), mask=c < n_t)
             page = next_page
@@ -226,20 +275,21 @@ def _scores_fp4_kernel(
 
 def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
                         allowed: torch.Tensor) -> None:
-    """:func:`_scores_fp4_kernel` over tokens ``lo:hi`` (the arguments of
+    """:func:`_scores_kernel` over tokens ``lo:hi`` (the arguments of
     :func:`compile_ops.indexer.triton.launch_scores`)."""
     q, w, cache, table = args.q, args.weights, args.cache, args.block_table
     R, page_size = table.shape[0], cache.shape[1]
     L = table.shape[1] * page_size
     rank, world, interleave = args.shard
     S = max(1, min(triton.cdiv(L, BN), PROGRAMS_PER_SM * num_sms(q.device) // (hi - lo)))
-    _scores_fp4_kernel[(hi - lo, S)](
+    _scores_kernel[(hi - lo, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
         q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
         allowed.stride(0), R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
         rank, world, interleave, args.candidate_block, allowed.shape[-1],
         HI=max(16, triton.next_power_of_2(q.shape[1])), RESTRICT=args.candidates is not None, BN=BN,
-        PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES, num_warps=4)
+        PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES,
+        FP4=args.fmt.fp4, num_warps=4)
 
 
 def gluon_args_unsupported(args: IndexerArgs) -> Optional[str]:

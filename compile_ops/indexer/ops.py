@@ -251,9 +251,12 @@ def _(q, weights, index_cache, block_table, token_to_req, n_entries, k, n_blocks
     return q.new_empty((q.shape[0], k), dtype=torch.int32), q.new_empty((q.shape[0], n_blocks), dtype=torch.int32)
 
 
+GLUON_INDEX_FORMATS = ("fp4", "fp8")  # the index formats the gluon backend's scores kernel reads
+
+
 def _gluon_unavailable(device, index_format):
-    if index_format != "fp4":
-        return f"the Gluon scores kernel reads fp4 index keys only, got {index_format}"
+    if index_format not in GLUON_INDEX_FORMATS:
+        return f"the Gluon scores kernel reads fp4 and fp8 index keys only, got {index_format}"
     return backends.hopper_with_gluon(device)
 
 
@@ -263,7 +266,7 @@ def _gluon_limits(args):
     return gluon_args_unsupported(args)
 
 
-# Gluon (sm_90, fp4 keys) first: the triton backend's top-k over its own scores kernel
+# Gluon (sm_90, fp4 and fp8 keys) first: the triton backend's top-k over its own scores kernel
 backends.register_backend("indexer", "gluon", _gluon_unavailable,
                           {op: backends.imported("compile_ops.indexer.gluon", f"{op}_gluon")
                            for op in ("indexer_topk", "indexer_candidates", "indexer_topk_and_candidates")},
