@@ -110,3 +110,16 @@ def test_reference_kernel_itself_compiles_whole():
     want = attend(*args)
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=2**-7)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_an_index_max_over_an_identity_term_takes_a_number():
+    """Inductor's tiling analysis substitutes 0 for each index variable but one; ``Max`` over
+    an ``Identity`` term then has a number to compare (else the compile raised "The argument
+    '-1 + ((0))' is not comparable", ``compile_ops._compat``)."""
+    import sympy
+    from torch._inductor.utils import sympy_subs
+    from torch.utils._sympy.functions import Identity
+
+    x = sympy.Symbol("x0", integer=True, nonnegative=True)
+    index = sympy.Max(0, Identity(x) - 1) + 7 * x
+    assert [sympy_subs(index, {x: sympy.Integer(v)}) for v in (0, 1, 3)] == [0, 7, 23]
