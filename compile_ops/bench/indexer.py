@@ -151,21 +151,27 @@ def main(argv: list[str]) -> int:
     print(f"\ncapacity: 64 requests x 1K entries: {capacity[1024]:.1f} us in a table of 1K entries per request, "
           f"{capacity[262144]:.1f} us in one of 256K ({capacity[262144] / capacity[1024]:.2f}x)")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for T in args.tokens:
-            pts = [r for r in rows if r["T"] == T]
-            ax.plot([r["entries"] for r in pts], [r["GBps"] for r in pts], marker="o", label=f"T = {T}")
-        ax.axhline(HBM_BYTES_PER_S / 1e9, color="grey", linestyle="--", label="4.3 TB/s")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("entries per request")
-        ax.set_ylabel("index-key GB/s")
-        ax.set_title(f"indexer_topk ({fmt_name}, {page}-entry pages, {heads} heads, k = {K})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        plot(rows, args.plot, f"indexer_topk ({fmt_name}, {page}-entry pages, {heads} heads, k = {K})")
     return 0
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """A PNG of the rows' key GB/s (the bench's CSV columns) against entries per request, a
+    line per ``T``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for T in sorted({int(r["T"]) for r in rows}):
+        pts = [r for r in rows if int(r["T"]) == T]
+        ax.plot([int(r["entries"]) for r in pts], [float(r["GBps"]) for r in pts], marker="o", label=f"T = {T}")
+    ax.axhline(HBM_BYTES_PER_S / 1e9, color="grey", linestyle="--", label="4.3 TB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("entries per request")
+    ax.set_ylabel("index-key GB/s")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,12 +1,23 @@
-"""Gluon scores kernel for ``fp4`` index keys on Hopper (sm_90): backend ``"gluon"``.
+"""Gluon scores kernel for ``fp4`` and ``fp8`` index keys on Hopper (sm_90): backend ``"gluon"``.
 
 The same op, arguments and top-k as the ``triton`` backend (:mod:`compile_ops.indexer.triton`);
-only the scores kernel differs, for DeepSeek-V4.1's ``fp4`` keys. The tensor cores take no
-e2m1, and the portable kernel's products leave it to the compiler to move the converted
-keys into the MMA's operand layout, which costs more than the conversion. Here:
+only the scores kernel differs. The portable kernel reads fp8 keys row by row (or, on
+pages of whole 64-entry blocks, by TMA) with a ``tl.dot`` whose operand layout the compiler
+chooses, and for ``fp4`` keys leaves it to the compiler to move the converted keys into
+the MMA's operand layout, which costs more than the conversion. Here, for both formats:
 
 * a ring of ``STAGES`` 64-entry blocks in shared memory, ``STAGES - 1`` of them in flight
-  (``cp.async``, 16 bytes a copy; each row's page is loaded a step before its copy);
+  (``cp.async``, 16 bytes a copy, on pages of any size; each row's page is loaded a step
+  before its copy), the rows' four scale bytes beside them;
+* the token's queries quantized once per program as the keys are, into shared memory.
+
+``fp8`` keys (128 e4m3 bytes and an fp32 scale a key) land in the ``wgmma`` operand's own
+shared-memory layout: one 128-deep e4m3 product per block, issued before the next block's
+copy and waited for after it, then ``scale * sum_h w[h] relu(.)``; the query is e4m3 with
+one power-of-two scale per head, folded into its weight, as the portable kernel has it.
+
+``fp4`` keys (64 bytes of e2m1 pairs and four ue8m0 bytes a key) go through registers:
+
 * each lane loads, for its two rows of the product, the one 32-bit word per block of 32
   values that ``wgmma``'s register operand wants there;
 * masks and shifts turn its eight e2m1 codes into e4m3 bytes (value times ``2**-6``,
@@ -45,12 +56,12 @@ from compile_ops.indexer.triton import (BN, _local_count, indexer_candidates_tri
 from compile_ops.mla.gluon import _async_load, _cta_barrier
 from compile_ops.mla.plan import num_sms
 
-# programs per SM: the occupancy the kernel's registers allow (4 warps each), so that one
-# launch fills every SM once and each program streams its token's blocks
+# programs per SM (4 warps each): one launch fills every SM once and each program streams
+# its token's blocks; fewer leave too few copies in flight, more wait for registers
 PROGRAMS_PER_SM = 4
 STAGES = 4  # key blocks in the ring (a power of two): three copies in flight while one block's products run
-# a key's 64 bytes in shared memory, 16-byte chunk j of row r at chunk j ^ (r // 2) % 4: the
-# copies stay 16 bytes, and a warp's word loads (8 rows, one chunk each) hit 32 banks
+# an fp4 key's 64 bytes in shared memory, 16-byte chunk j of row r at chunk j ^ (r // 2) % 4:
+# the copies stay 16 bytes, and a warp's word loads (8 rows, one chunk each) hit 32 banks
 KEY_SWIZZLE = gl.constexpr(gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
 GLUON_MAX_HEADS = 64  # four [64, heads] fp32 products in registers
 

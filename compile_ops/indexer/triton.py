@@ -15,7 +15,8 @@ capacity.
   else row by row), ``tl.dot``\
   s them with the queries (fp32 accumulation; ``fp4``: the query quantized like the keys,
   both as e4m3 bytes, one exact 32-deep product per block of 32 values times its two
-  scales; the ``gluon`` backend's kernel does the same on sm_90) and stores ``scale * sum_h w[h] * relu(dot)``
+  scales; on sm_90 the ``gluon`` backend's kernel computes the same scores of fp8 and fp4
+  keys, :mod:`compile_ops.indexer.gluon`) and stores ``scale * sum_h w[h] * relu(dot)``
   (``-inf`` at holes and outside the candidate blocks) into a scores buffer.
 * the top-k (:func:`topk_of_rows`): ``_segment_topk_kernel`` holds a segment of a row in
   one program's registers, turns its scores into order-preserving 32-bit keys, finds the
