@@ -114,6 +114,30 @@ def test_gpu_candidates_and_capture(backend, index_format):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("index_format", ["fp4", "fp8"])
+@pytest.mark.parametrize("backend", ["gluon", "triton"])
+@pytest.mark.parametrize("rank, world, interleave", [(1, 2, 1), (0, 2, 64), (2, 3, 16)])
+def test_gpu_dcp_shard_on_both_scores_kernels(backend, index_format, rank, world, interleave):
+    """A DCP rank's call (global counts, this rank's cache) on each scores kernel: the ids,
+    with and without candidate blocks, and the blocks are exactly the reference's."""
+    from compile_ops.indexer import ops
+    from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference
+
+    module = __import__(f"compile_ops.indexer.{backend}", fromlist=["_"])
+    q, weights, cache, table, rows, n = big_problem(16, 32, 1 << 13, page_size=32, seed=rank + world,
+                                                    index_format=index_format)
+    args = (q, weights, cache, table, rows, world * n)  # global counts: this rank holds about n
+    fmt = ops._check_topk(*args, 256, index_format)
+    shard = (rank, world, interleave)
+    plain = ops._args(*args, 256, fmt, shard=shard)
+    assert torch.equal(getattr(module, f"indexer_topk_{backend}")(plain)[0], indexer_topk_reference(plain)[0])
+    blocks = ops._args(*args, 24, fmt, candidate_block=64, shard=shard)
+    want_blocks = indexer_candidates_reference(blocks)[0]
+    assert torch.equal(getattr(module, f"indexer_candidates_{backend}")(blocks)[0], want_blocks)
+    inside = ops._args(*args, 256, fmt, candidates=want_blocks, candidate_block=64, shard=shard)
+    assert torch.equal(getattr(module, f"indexer_topk_{backend}")(inside)[0], indexer_topk_reference(inside)[0])
+
+
 def test_gpu_fp4_query_blocks_far_below_their_head():
     """A query block 20 binades under its head's largest (the Gluon kernel rounds it to
     ``2**-15`` of that block's scale): the chosen ids' reference scores are the reference's
