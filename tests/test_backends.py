@@ -140,3 +140,25 @@ def test_a_call_the_gluon_kernel_cannot_read_goes_to_tl_or_raises(hopper_without
     with compile_ops.use_backends(sparse_mla="gluon"):
         with pytest.raises(ValueError, match="swa_cache's pages 16-byte aligned"):
             chosen(odd)
+
+
+@pytest.mark.parametrize("index_format", ["fp4", "fp8"])
+def test_indexer_gluon_limits_send_to_triton(index_format):
+    """The Gluon scores kernel's limits (``auto`` then takes ``triton``): more than 64 heads,
+    and pages whose stride or offset is not a multiple of its 16-byte copies."""
+    pytest.importorskip("triton.experimental.gluon")
+    from compile_ops.indexer import ops
+    from compile_ops.indexer.cache import new_index_cache
+    from compile_ops.indexer.gluon import gluon_args_unsupported
+
+    def limits(heads, cache):
+        q, w = torch.zeros(2, heads, 128, dtype=torch.bfloat16), torch.zeros(2, heads)
+        args = (q, w, cache, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                torch.ones(2, dtype=torch.int32))
+        return gluon_args_unsupported(ops._args(*args, 4, ops._check_topk(*args, 4, index_format)))
+
+    assert limits(64, new_index_cache(index_format, 3, 32)) is None
+    assert "at most 64 heads, got 128" in limits(128, new_index_cache(index_format, 3, 32))
+    assert "16-byte aligned, got a page stride" in limits(32, new_index_cache(index_format, 3, 6))
+    row = new_index_cache(index_format, 1, 1).shape[2]  # 68 or 132 bytes: a page from its second row on
+    assert f"at offset {row}" in limits(32, new_index_cache(index_format, 3, 8)[:, 1:3])

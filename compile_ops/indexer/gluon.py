@@ -309,6 +309,10 @@ def gluon_args_unsupported(args: IndexerArgs) -> Optional[str]:
         return "a traced launch (lowering.inductor) runs the triton backend's kernels"
     if args.q.shape[1] > GLUON_MAX_HEADS:
         return f"the Gluon scores kernel takes at most {GLUON_MAX_HEADS} heads, got {args.q.shape[1]}"
+    cache = args.cache
+    if cache.stride(0) % 16 or cache.storage_offset() % 16:  # uint8: strides in bytes
+        return ("the Gluon scores kernel copies keys 16 bytes at a time: it needs the index cache's pages "
+                f"16-byte aligned, got a page stride of {cache.stride(0)} bytes at offset {cache.storage_offset()}")
     return triton_args_unsupported(args)
 
 
