@@ -99,8 +99,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--backend", default="auto",
                    help="backend of every op family (sparse_mla, slots, combine, kv, indexer, linear): auto, "
                         "reference or triton; a backend only some families have (gluon, flashmla, flashinfer, "
-                        "scaled_mm) is used by those and the others stay auto; the indexer's gluon only with fp4 index "
-                        "keys (default: auto)")
+                        "scaled_mm) is used by those and the others stay auto; the indexer's gluon only with fp4 or fp8 "
+                        "index keys (default: auto)")
     p.add_argument("--iters", type=int, default=20, help="GPU: timed iterations, x5 for replays (default: 20)")
     p.add_argument("--plot", help="GPU: PNG path for the step-time plot (default: no plot)")
     p.add_argument("--json", help="write all results here")
