@@ -263,18 +263,16 @@ def _scores_kernel(
             _cta_barrier()  # ... and every thread's; the slot refilled below was read one step ago
             st = i % STAGES
             keys = kbuf.index(st)
+            if not FP4:  # one 128-deep product from shared memory, issued before the next copy
+                acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+            _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead, s_page,
+                        s_at, num_slots, page_size, rank, world, interleave, block, nb, RESTRICT, PAGE_SHIFT, BN,
+                        ROW_BYTES, CPL)
             if FP4:
-                _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead,
-                            s_page, s_at, num_slots, page_size, rank, world, interleave, block, nb, RESTRICT,
-                            PAGE_SHIFT, BN, ROW_BYTES, CPL)
                 b_s = _block_scores(keys.slice(0, 16, dim=1).load(KL), keys.slice(16, 16, dim=1).load(KL),
                                     keys.slice(32, 16, dim=1).load(KL), keys.slice(48, 16, dim=1).load(KL),
                                     ebuf.index(st).load(ROW), q_smem, b_w, zero, A_L)
-            else:  # one 128-deep product from shared memory, issued before the next copy
-                acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-                _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead,
-                            s_page, s_at, num_slots, page_size, rank, world, interleave, block, nb, RESTRICT,
-                            PAGE_SHIFT, BN, ROW_BYTES, CPL)
+            else:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 b_s = gl.sum(gl.maximum(acc, 0.0) * b_w[None, :], 1) * ebuf.index(st).load(ROW).to(gl.float32,
                                                                                                 bitcast=True)
