@@ -256,7 +256,8 @@ GLUON_INDEX_FORMATS = ("fp4", "fp8")  # the index formats the gluon backend's sc
 
 def _gluon_unavailable(device, index_format):
     if index_format not in GLUON_INDEX_FORMATS:
-        return f"the Gluon scores kernel reads fp4 and fp8 index keys only, got {index_format}"
+        return (f"the Gluon scores kernel reads {' and '.join(GLUON_INDEX_FORMATS)} index keys only, "
+                f"got {index_format}")
     return backends.hopper_with_gluon(device)
 
 
