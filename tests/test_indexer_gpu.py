@@ -4,6 +4,8 @@ Integer-valued data makes every score exact in any accumulation order, so ids mu
 equal, ties included; shapes span the decode and prefill ranges of the indexer issue.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -123,7 +125,7 @@ def test_gpu_dcp_shard_on_both_scores_kernels(backend, index_format, rank, world
     from compile_ops.indexer import ops
     from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference
 
-    module = __import__(f"compile_ops.indexer.{backend}", fromlist=["_"])
+    module = importlib.import_module(f"compile_ops.indexer.{backend}")
     q, weights, cache, table, rows, n = big_problem(16, 32, 1 << 13, page_size=32, seed=rank + world,
                                                     index_format=index_format)
     args = (q, weights, cache, table, rows, world * n)  # global counts: this rank holds about n
