@@ -163,6 +163,44 @@ def test_interpreter_segmented_rows_equal_reference(index_format, monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("index_format", FORMATS)
+@pytest.mark.parametrize("shard", [(0, 1, 1), (1, 2, 2)], ids=["one-rank", "rank1-of-2-I2"])
+def test_interpreter_group_maxima_written_beside_the_scores(index_format, shard, monkeypatch):
+    """Long rows take the top-k through their groups' best scores, which the scores kernel
+    writes as it scores (no launch reads the scores back for them): the ids, in either
+    order, with and without candidate blocks, on a DCP rank too, are exactly the
+    reference's, with holes, invalid request rows and counts past the table (groups of 4
+    entries, so that these short rows go through groups as 32K-entry rows do)."""
+    pytest.importorskip("triton")
+    from compile_ops.indexer import triton as kernels
+    from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference
+
+    monkeypatch.setattr(kernels, "TOPK_GROUPED_FROM", 1)
+    monkeypatch.setattr(kernels, "TOPK_GROUP", 4)
+    monkeypatch.setattr(kernels, "_group_max_kernel", None)  # a launch of it would fail
+    args = make_problem(index_format, 5, 8, 2, 4, 16, seed=11 + shard[0], holes=1)
+    assert kernels.grouped(4 * 16, 6)
+    fmt = ops._check_topk(*args, 6, index_format)
+    blocks = indexer_candidates_reference(ops._args(*args, 3, fmt, candidate_block=8, shard=shard))[0]
+    for order in ("score", "id"):
+        plain = ops._args(*args, 6, fmt, shard=shard, order=order)
+        for got, want in zip(kernels.indexer_topk_triton(plain), indexer_topk_reference(plain)):
+            assert torch.equal(got, want)
+        inside = ops._args(*args, 6, fmt, candidates=blocks, candidate_block=8, shard=shard, order=order)
+        for got, want in zip(kernels.indexer_topk_triton(inside), indexer_topk_reference(inside)):
+            assert torch.equal(got, want)
+    # the maxima themselves: each valid group's best score, and the rows' counts
+    T, L = 5, 4 * 16
+    scores, n = torch.full((T, L), float("nan")), torch.empty(T, dtype=i32)
+    maxima = kernels.GroupMaxima(torch.full((T, kernels.group_slots(L)), float("nan")), torch.empty(2, T, dtype=i32))
+    kernels.launch_scores(plain, 0, T, scores, n, n, maxima)
+    groups = -(-n // 4)
+    assert torch.equal(maxima.counts, torch.stack([groups, groups.clamp(max=6) * 4]))
+    for t in range(T):
+        want = torch.nn.functional.pad(scores[t, :n[t]], (0, 4 * groups[t] - n[t]), value=float("-inf"))
+        assert torch.equal(maxima.best[t, :groups[t]], want.view(-1, 4).amax(1)), t
+
+
 @pytest.mark.parametrize("index_format, page_size", [("bf16", 4), ("fp8", 4), ("fp8", 64)])
 @pytest.mark.parametrize("rank, world, interleave", [(0, 2, 1), (1, 2, 1), (1, 2, 4), (2, 3, 2)])
 def test_interpreter_dcp_shard_equals_reference(index_format, page_size, rank, world, interleave):

@@ -38,13 +38,15 @@ def builds() -> dict:
     from compile_ops.indexer import triton as kernels
 
     mod = "compile_ops.indexer.triton"
-    scores = dict(kernel=f"{mod}:_scores_kernel", aligned=["s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at"],
+    scores = dict(kernel=f"{mod}:_scores_kernel",
+                  aligned=["s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at", "s_gt"],
                   types=dict(q="*bf16", w="*fp32", t2r="*i32", n_entries="*i32", cache="*u8", table="*i32",
-                             allowed="*i8", scores="*fp32", n_out="*i32"))
+                             allowed="*i8", scores="*fp32", n_out="*i32", gmax="*fp32", g_counts="*i32"))
     topk = dict(kernel=f"{mod}:_segment_topk_kernel", aligned=["s_src", "s_ids", "s_cand", "s_out"],
                 types=dict(src_vals="*fp32", src_ids="*i32", n="*i32", n_src="*i32", cand_vals="*fp32",
                            cand_ids="*i32", ids="*i32", vals="*fp32"))
     out = {}
+    # (a long row's scores write the top-k's group maxima too: the bulk-copied fp8 and the fp4 ones here)
     for fmt, restrict, bulk in (("fp8", False, False), ("fp8", True, False), ("bf16", False, False),
                                 ("fp8", False, True), ("fp8", True, True), ("fp4", False, False)):
         cache = "*bf16" if fmt == "bf16" else "*u8"
@@ -52,7 +54,7 @@ def builds() -> dict:
         out[f"scores-{fmt}-{'restricted' if restrict else 'all'}{'-bulk' if bulk else ''}"] = dict(
             scores, types={**scores["types"], "cache": cache, "keys": keys}, num_stages=kernels.SCORE_LAUNCH[bulk][1],
             constants=dict(HI=32, FP8=fmt == "fp8", RESTRICT=restrict, BN=kernels.BN, ITERS=0, UPCAST=False,
-                           TMA=bulk, FP4=fmt == "fp4"))
+                           TMA=bulk, FP4=fmt == "fp4", GROUPS=bulk or fmt == "fp4", G=kernels.TOPK_GROUP))
     launches = {launch._replace(programs=0, cover=0) for T in (1, 64, 256, 4096)
                 for L in (512, 8192, 1 << 15, 1 << 17, 1 << 20) for k in (512, 2048)
                 for stage in kernels.topk_plan(T, L, k, sms=132) for launch in stage}
@@ -63,7 +65,7 @@ def builds() -> dict:
                          constants=dict(SOURCE=launch.source, G=kernels.TOPK_GROUP, SEG=launch.seg, K_PAD=launch.k_pad,
                                         LAST=launch.last, SORTED=launch.sort))
     out["group-max"] = dict(kernel=f"{mod}:_group_max_kernel", types=dict(
-        scores="*fp32", n="*i32", gmax="*fp32", n_groups="*i32", n_cand="*i32"),
+        scores="*fp32", n="*i32", gmax="*fp32", g_counts="*i32"),
         constants=dict(G=kernels.TOPK_GROUP, BLOCK=kernels.GROUP_MAX_BLOCK))
     out["candidate-mask"] = dict(kernel=f"{mod}:_candidate_mask_kernel", types=dict(
         cand="*i32", t2r="*i32", n_entries="*i32", allowed="*i8"),

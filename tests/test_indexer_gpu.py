@@ -91,6 +91,27 @@ def test_gpu_keys_on_both_scores_kernels(backend, page_size, index_format):
 
 @pytest.mark.parametrize("index_format", ["fp4", "fp8"])
 @pytest.mark.parametrize("backend", ["gluon", "triton"])
+def test_gpu_long_rows_take_group_maxima_from_each_scores_kernel(backend, index_format):
+    """Rows of 64K entries start their top-k from the groups' best scores, which each scores
+    kernel writes beside the scores: the ids in both orders, and on a DCP rank (its local
+    rows still long), are exactly the reference's."""
+    from compile_ops.indexer import ops
+    from compile_ops.indexer import triton as kernels
+    from compile_ops.indexer.reference import indexer_topk_reference
+
+    module = importlib.import_module(f"compile_ops.indexer.{backend}")
+    args = big_problem(16, 64, 1 << 16, seed=9, index_format=index_format)
+    assert kernels.grouped(1 << 16, 512)
+    for order in ("score", "id"):
+        got, want = both(args, 512, index_format, backend, order=order)
+        assert torch.equal(got, want)
+    global_counts = (*args[:5], 2 * args[5])
+    shard = ops._args(*global_counts, 512, ops._check_topk(*global_counts, 512, index_format), shard=(1, 2, 64))
+    assert torch.equal(getattr(module, f"indexer_topk_{backend}")(shard)[0], indexer_topk_reference(shard)[0])
+
+
+@pytest.mark.parametrize("index_format", ["fp4", "fp8"])
+@pytest.mark.parametrize("backend", ["gluon", "triton"])
 def test_gpu_candidates_and_capture(backend, index_format):
     """Keys inside candidate blocks (the scores kernel's mask), replayed from a CUDA graph
     with new counts and no host sync."""

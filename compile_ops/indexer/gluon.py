@@ -51,7 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from compile_ops._triton_quant import (_E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, power_of_two, to_e4m3,
                                       ue8m0_exponent)
 from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
-from compile_ops.indexer.triton import (BN, _local_count, indexer_candidates_triton, indexer_topk_and_candidates_triton,
+from compile_ops.indexer.triton import (BN, TOPK_GROUP, GroupMaxima, _local_count, _store_group_counts,
+                                        indexer_candidates_triton, indexer_topk_and_candidates_triton,
                                         indexer_topk_triton)
 from compile_ops.mla.gluon import _async_load, _cta_barrier
 from compile_ops.mla.plan import num_sms
@@ -201,15 +202,17 @@ def _fp8_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, COL: g
 
 @gluon.jit
 def _scores_kernel(
-    q, w, t2r, n_entries, cache, table, allowed, scores, n_out,
-    s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, R, L, num_slots, page_size, Hi, S,
-    rank, world, interleave, block, nb,
+    q, w, t2r, n_entries, cache, table, allowed, scores, n_out, gmax, g_counts,
+    s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
+    rank, world, interleave, block, nb, K,
     HI: gl.constexpr, RESTRICT: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
-    FP4: gl.constexpr,
+    FP4: gl.constexpr, GROUPS: gl.constexpr, G: gl.constexpr,
 ):
     """Program ``(t, s)``: ``scores[t, c] = sum_h w[t, h] * relu(q[t, h] . key[c])`` (fp8: times
     the key's scale) for token ``t``'s blocks ``s, s + S, ...`` of ``BN`` entries (``-inf`` at
-    holes and outside its candidate blocks), ``n_out[t]`` its local count (program 0)."""
+    holes and outside its candidate blocks), ``n_out[t]`` its local count (program 0); with
+    ``GROUPS`` the top-k's group maxima and counts too
+    (:class:`compile_ops.indexer.triton.GroupMaxima`)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HI, 32])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4)
     # A_L's registers, lanes and warps for one block's 16 packed bytes: a lane's word per row
@@ -227,6 +230,8 @@ def _scores_kernel(
     row, n_t = _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave)
     if i_s == 0:
         gl.store(n_out + i_t, n_t)
+        if GROUPS:
+            _store_group_counts(g_counts, i_t, T, n_t, K, G)
     nb_t = gl.cdiv(n_t, BN)
     if i_s < nb_t:
         if FP4:
@@ -277,13 +282,18 @@ def _scores_kernel(
                 b_s = gl.sum(gl.maximum(acc, 0.0) * b_w[None, :], 1) * ebuf.index(st).load(ROW).to(gl.float32,
                                                                                                 bitcast=True)
             c = blk * BN + gl.arange(0, BN, ROW)
-            gl.store(p_s + c, gl.where(vbuf.index(st).load(ROW) != 0, b_s, float("-inf")), mask=c < n_t)
+            b_s = gl.where(vbuf.index(st).load(ROW) != 0, b_s, float("-inf"))
+            gl.store(p_s + c, b_s, mask=c < n_t)
+            if GROUPS:  # the top-k's first pass, while the scores are in registers (a warp's rows: one group)
+                best = gl.max(gl.reshape(gl.where(b_s > float("-inf"), b_s, float("-inf")), [BN // G, G]), 1)
+                o_g = blk * (BN // G) + gl.arange(0, BN // G, best.type.layout)
+                gl.store(gmax + i_t.to(gl.int64) * s_gt + o_g, best, mask=o_g < gl.cdiv(n_t, G))
             page = next_page
         async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
 
 
 def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
-                        allowed: torch.Tensor) -> None:
+                        allowed: torch.Tensor, maxima: Optional[GroupMaxima]) -> None:
     """:func:`_scores_kernel` over tokens ``lo:hi`` (the arguments of
     :func:`compile_ops.indexer.triton.launch_scores`)."""
     q, w, cache, table = args.q, args.weights, args.cache, args.block_table
@@ -291,14 +301,15 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
     L = table.shape[1] * page_size
     rank, world, interleave = args.shard
     S = max(1, min(triton.cdiv(L, BN), PROGRAMS_PER_SM * num_sms(q.device) // (hi - lo)))
+    gmax, g_counts = maxima or (scores, n)
     _scores_kernel[(hi - lo, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
-        q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
-        allowed.stride(0), R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
-        rank, world, interleave, args.candidate_block, allowed.shape[-1],
+        gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
+        allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
+        rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
         HI=max(16, triton.next_power_of_2(q.shape[1])), RESTRICT=args.candidates is not None, BN=BN,
         PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES,
-        FP4=args.fmt.fp4, num_warps=4)
+        FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4)
 
 
 def gluon_args_unsupported(args: IndexerArgs) -> Optional[str]:

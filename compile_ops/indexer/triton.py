@@ -27,6 +27,8 @@ capacity.
   sorts its ``k`` by (score descending, id ascending) with ``tl.sort``, or keeps them in
   id order (``order="id"``: no sort). A row of at most ``TOPK_SEGMENTS[1]`` scores can be
   one launch of one program per row. :func:`topk_plan` states the launches.
+* a long row's top-k (:func:`grouped`) starts from its groups' best scores
+  (:class:`GroupMaxima`), which the scores kernel writes beside the scores.
 * DeepSeek-V4.1's candidate blocks: ``_block_max_kernel`` takes each visible block's best
   score from the scores buffer (then the same top-k over the blocks), and for a top-k
   restricted to candidates ``_candidate_mask_kernel`` marks each token's blocks for the
@@ -117,16 +119,18 @@ def _fp4_block_dot(base, off, m_c, b_e, b_q, q_scale, g: tl.constexpr, UPCAST: t
 
 @triton.jit
 def _scores_kernel(
-    q, w, t2r, n_entries, cache, keys, table, allowed, scores, n_out,
-    s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, T, R, L, num_slots, page_size, Hi, S,
-    rank, world, interleave, block, nb,
+    q, w, t2r, n_entries, cache, keys, table, allowed, scores, n_out, gmax, g_counts,
+    s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
+    rank, world, interleave, block, nb, K,
     HI: tl.constexpr, FP8: tl.constexpr, RESTRICT: tl.constexpr, BN: tl.constexpr, ITERS: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr, FP4: tl.constexpr = False,
+    UPCAST: tl.constexpr, TMA: tl.constexpr, FP4: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
 ):
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     row, n_t = _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave)
     if i_s == 0:
         tl.store(n_out + i_t, n_t)
+        if GROUPS:
+            _store_group_counts(g_counts, i_t, T, n_t, K, G)
     nb_t = tl.cdiv(n_t, BN)
     o_h = tl.arange(0, HI)
     o_d = tl.arange(0, 128)
@@ -180,6 +184,8 @@ def _scores_kernel(
             b_dot = _dot(b_k, b_q, UPCAST)  # [BN, HI] fp32
         b_s = tl.where(m_c, tl.sum(tl.maximum(b_dot, 0.0) * b_w[None, :], 1) * b_scale, float("-inf"))
         tl.store(scores + i_t.to(tl.int64) * s_st + c, b_s, mask=c < n_t)
+        if GROUPS:  # the top-k's first pass over a long row, while its scores are in registers
+            _store_group_maxima(b_s, (i_s + i * S) * BN, n_t, gmax + i_t.to(tl.int64) * s_gt, G, BN)
 
 
 @triton.jit
@@ -280,22 +286,36 @@ def _sort_row(ids, vals, taken, K, K_PAD: tl.constexpr):
 
 
 @triton.jit
-def _group_max_kernel(scores, n, gmax, n_groups, n_cand, s_st, s_gt, K, G: tl.constexpr, BLOCK: tl.constexpr):
-    """Program ``(t, s)``: the best score of each group of ``G`` entries among row ``t``'s
-    scores ``[s * BLOCK, (s + 1) * BLOCK)`` into ``gmax`` (``-inf``: none valid; groups
-    past ``n[t]`` are not written); program 0 also stores the row's group count and its
-    candidate count, ``G`` per group the group top-k can keep."""
+def _store_group_counts(g_counts, i_t, T, n_t, K, G: tl.constexpr):
+    """Row ``t``'s group count (``g_counts[0, t]``) and its candidate count, ``G`` per group
+    the group top-k can keep (``g_counts[1, t]``), of its ``n_t`` scores."""
+    tl.store(g_counts + i_t, tl.cdiv(n_t, G))
+    tl.store(g_counts + T + i_t, tl.minimum(tl.cdiv(n_t, G), K) * G)
+
+
+@triton.jit
+def _store_group_maxima(x, first, n_t, gmax_row, G: tl.constexpr, BLOCK: tl.constexpr):
+    """The best of each group of ``G`` among ``x [BLOCK]``, scores ``first ..`` of a row of
+    ``n_t`` (``-inf`` past it; NaN is no entry, as in the selection), into ``gmax_row``
+    (``-inf``: none valid; groups past the row's not written)."""
+    x = tl.where(x > float("-inf"), x, float("-inf"))
+    o_g = first // G + tl.arange(0, BLOCK // G)
+    tl.store(gmax_row + o_g, tl.max(tl.reshape(x, [BLOCK // G, G]), 1), mask=o_g < tl.cdiv(n_t, G))
+
+
+@triton.jit
+def _group_max_kernel(scores, n, gmax, g_counts, s_st, s_gt, T, K, G: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``(t, s)``: the group maxima (:func:`_store_group_maxima`) of row ``t``'s scores
+    ``[s * BLOCK, (s + 1) * BLOCK)``; program 0 also stores the row's counts
+    (:func:`_store_group_counts`). The scores kernels write the same beside the scores."""
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     n_t = tl.maximum(tl.load(n + i_t), 0)
     if i_s == 0:
-        tl.store(n_groups + i_t, tl.cdiv(n_t, G))
-        tl.store(n_cand + i_t, tl.minimum(tl.cdiv(n_t, G), K) * G)
+        _store_group_counts(g_counts, i_t, T, n_t, K, G)
     if i_s * BLOCK < n_t:
         c = i_s * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(scores + i_t.to(tl.int64) * s_st + c, mask=c < n_t, other=float("-inf"))
-        x = tl.where(x > float("-inf"), x, float("-inf"))  # NaN is no entry, as in the selection
-        o_g = i_s * (BLOCK // G) + tl.arange(0, BLOCK // G)
-        tl.store(gmax + i_t.to(tl.int64) * s_gt + o_g, tl.max(tl.reshape(x, [BLOCK // G, G]), 1))
+        _store_group_maxima(x, i_s * BLOCK, n_t, gmax + i_t.to(tl.int64) * s_gt, G, BLOCK)
 
 
 @triton.jit
@@ -445,6 +465,22 @@ def group_slots(L: int) -> int:
     return triton.cdiv(L, GROUP_MAX_BLOCK) * GROUP_MAX_BLOCK // TOPK_GROUP
 
 
+class GroupMaxima(NamedTuple):
+    """The first pass of a long row's top-k (:func:`grouped`): ``best [T, group_slots(L)]``
+    fp32, each group of ``TOPK_GROUP`` scores' best (:func:`_store_group_maxima`), and
+    ``counts [2, T]`` int32, each row's groups and candidate entries
+    (:func:`_store_group_counts`). The scores kernels write them beside the scores; for
+    scores from elsewhere ``_group_max_kernel`` does."""
+
+    best: torch.Tensor
+    counts: torch.Tensor
+
+    @staticmethod
+    def empty(T, L: int, device) -> "GroupMaxima":
+        return GroupMaxima(torch.empty((T, group_slots(L)), dtype=torch.float32, device=device),
+                           torch.empty((2, T), dtype=torch.int32, device=device))
+
+
 def topk_plan(T, L: int, k: int, sms: int, segment: Optional[int] = None, sort: bool = True) -> list[list[TopkLaunch]]:
     """The top-k launches of ``T`` rows of ``L`` scores (:func:`topk_of_rows`): one selection,
     or for a long row (:func:`grouped`) the selection of its best groups (in id order) and
@@ -475,8 +511,19 @@ def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=N
         src_vals, src_ids, prev_cover = cand_vals, cand_ids, level.cover
 
 
+def group_maxima_of(scores: torch.Tensor, n: torch.Tensor, k: int) -> GroupMaxima:
+    """The :class:`GroupMaxima` of the top-``k`` of rows of ``scores [T, L]`` (their first
+    ``n[t]``), in one launch, for scores that no scores kernel wrote."""
+    T, L = scores.shape
+    maxima = GroupMaxima.empty(T, L, scores.device)
+    launchable(_group_max_kernel, scores)[(T, triton.cdiv(L, GROUP_MAX_BLOCK))](
+        scores, n, maxima.best, maxima.counts, scores.stride(0), maxima.best.stride(0), T, k, G=TOPK_GROUP,
+        BLOCK=GROUP_MAX_BLOCK)
+    return maxima
+
+
 def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, k: int,
-                 segment: Optional[int] = None, sort: bool = True) -> None:
+                 segment: Optional[int] = None, sort: bool = True, maxima: Optional[GroupMaxima] = None) -> None:
     """The exact top-``k`` of each row's first ``n[t]`` scores (``-inf`` = none) into ``ids`` /
     ``vals [T, k]``, by (score descending, id ascending), or in id order unless ``sort``
     (the same entries; no sort): each level of :func:`topk_levels`
@@ -486,18 +533,17 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     of each group of ``TOPK_GROUP`` entries and the top-``k`` groups by it, whose entries
     hold the row's top-``k`` (a group beaten by ``k`` groups' best entries has none); the
     levels then select from those ``k * TOPK_GROUP`` entries. ``segment``: the entries a
-    program selects from (:func:`topk_segment`)."""
+    program selects from (:func:`topk_segment`); ``maxima``: a long row's group maxima where
+    the scores kernel wrote them (else one launch takes them from ``scores``)."""
     T, L = scores.shape
     plan = topk_plan(T, L, k, num_sms(scores.device), segment, sort)
     if len(plan) == 1:
         _launch(plan[0], scores, n, ids, vals, k)
         return
-    gmax = torch.empty((T, group_slots(L)), dtype=torch.float32, device=scores.device)
-    n_groups, n_cand = torch.empty((2, T), dtype=torch.int32, device=scores.device)
-    launchable(_group_max_kernel, scores)[(T, triton.cdiv(L, GROUP_MAX_BLOCK))](
-        scores, n, gmax, n_groups, n_cand, scores.stride(0), gmax.stride(0), k, G=TOPK_GROUP, BLOCK=GROUP_MAX_BLOCK)
+    maxima = maxima or group_maxima_of(scores, n, k)
+    n_groups, n_cand = maxima.counts
     groups = torch.empty((T, k), dtype=torch.int32, device=scores.device)
-    _launch(plan[0], gmax, n_groups, groups, vals, k)
+    _launch(plan[0], maxima.best, n_groups, groups, vals, k)
     _launch(plan[1], scores, n_cand, ids, vals, k, groups=groups, n_src=n)
 
 
@@ -560,10 +606,11 @@ def key_blocks(cache: torch.Tensor, fp8: bool):
 
 
 def launch_scores(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
-                  allowed: torch.Tensor) -> None:
+                  allowed: torch.Tensor, maxima: Optional[GroupMaxima]) -> None:
     """``_scores_kernel`` over tokens ``lo:hi``: their scores into ``scores [hi - lo, L]`` fp32
     and local counts into ``n [hi - lo]`` int32 (``allowed``: the chunk's candidate mask,
-    :func:`mark_candidates`, or any tensor when the call has no candidates)."""
+    :func:`mark_candidates`, or any tensor when the call has no candidates), and the top-k's
+    group maxima of them into ``maxima`` unless ``None``."""
     q, w, cache, table = args.q, args.weights, args.cache, args.block_table
     R, page_size = table.shape[0], cache.shape[1]
     L = table.shape[1] * page_size
@@ -572,20 +619,24 @@ def launch_scores(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: 
     programs_per_sm, stages = SCORE_LAUNCH[keys is not cache]
     blocks = triton.cdiv(L, BN)
     S = torch.sym_max(1, torch.sym_min(blocks, programs_per_sm * num_sms(q.device) // (hi - lo)))
+    gmax, g_counts = maxima or (scores, n)
     launchable(_scores_kernel, q)[(hi - lo, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, keys, table, allowed, scores, n,
-        q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
-        allowed.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
-        rank, world, interleave, args.candidate_block, allowed.shape[-1],
+        gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
+        allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
+        rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
         HI=max(16, triton.next_power_of_2(q.shape[1])), FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
         ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
-        FP4=args.fmt.fp4, num_stages=stages,
+        FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_stages=stages,
     )
 
 
-def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select, launch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select, launch,
+               ids_of_rows: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Scores of token chunks (each under ``SCORES_BYTES``) by ``launch`` (:func:`launch_scores`'s
-    arguments), then ``select(scores, n, lo, hi, outs)`` (``n``: the chunk's local counts)
+    arguments), then ``select(scores, n, lo, hi, outs, maxima)`` (``n``: the chunk's local
+    counts; ``maxima``: the group maxima the scores kernel wrote where ``ids_of_rows`` (the
+    call selects entries of its rows) and the rows are long, :func:`grouped`, else ``None``)
     fills rows ``lo:hi`` of each ``(ids [T, width] int32, vals [T, width] fp32)`` output
     pair, one per ``widths``; only shapes steer the launches."""
     args = args._replace(q=args.q.contiguous(), weights=args.weights.contiguous())
@@ -602,13 +653,14 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select, launch) -> li
     for lo, hi in chunks:
         scores = torch.empty((hi - lo, L), dtype=torch.float32, device=device)
         n = torch.empty((hi - lo,), dtype=torch.int32, device=device)
-        launch(args, lo, hi, scores, n, n if args.candidates is None else mark_candidates(args, lo, hi))
-        select(scores, n, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs])
+        maxima = GroupMaxima.empty(hi - lo, L, device) if ids_of_rows and grouped(L, args.k) else None
+        launch(args, lo, hi, scores, n, n if args.candidates is None else mark_candidates(args, lo, hi), maxima)
+        select(scores, n, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs], maxima)
     return outs
 
 
-def _select_ids(args: IndexerArgs, scores, n, out) -> None:
-    topk_of_rows(scores, n, *out, args.k, sort=args.order == "score")
+def _select_ids(args: IndexerArgs, scores, n, out, maxima: Optional[GroupMaxima]) -> None:
+    topk_of_rows(scores, n, *out, args.k, sort=args.order == "score", maxima=maxima)
 
 
 def _select_blocks(args: IndexerArgs, scores, n, lo, hi, out, width: int) -> None:
@@ -619,25 +671,25 @@ def _select_blocks(args: IndexerArgs, scores, n, lo, hi, out, width: int) -> Non
 def indexer_topk_triton(args: IndexerArgs, launch=launch_scores) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids [T, k] int32, scores [T, k] fp32)`` of a validated call (see
     :class:`compile_ops.indexer.inputs.IndexerArgs`), its scores by ``launch``."""
-    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs: _select_ids(args, scores, n, outs[0]),
-                      launch)[0]
+    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs, maxima: _select_ids(
+        args, scores, n, outs[0], maxima), launch, ids_of_rows=True)[0]
 
 
 def indexer_candidates_triton(args: IndexerArgs, launch=launch_scores) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks [T, k] int32, block scores [T, k] fp32)`` of a validated call."""
-    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs: _select_blocks(
-        args, scores, n, lo, hi, outs[0], args.k), launch)[0]
+    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs, maxima: _select_blocks(
+        args, scores, n, lo, hi, outs[0], args.k), launch, ids_of_rows=False)[0]
 
 
 def indexer_topk_and_candidates_triton(args: IndexerArgs, launch=launch_scores):
     """``((ids, scores) [T, k], (blocks, block scores) [T, n_blocks])`` of a validated call,
     the two top-k over one scores buffer."""
 
-    def select(scores, n, lo, hi, outs):
-        _select_ids(args, scores, n, outs[0])
+    def select(scores, n, lo, hi, outs, maxima):
+        _select_ids(args, scores, n, outs[0], maxima)
         _select_blocks(args, scores, n, lo, hi, outs[1], args.n_blocks)
 
-    ids, blocks = _per_chunk(args, (args.k, args.n_blocks), select, launch)
+    ids, blocks = _per_chunk(args, (args.k, args.n_blocks), select, launch, ids_of_rows=True)
     return ids, blocks
 
 
