@@ -188,3 +188,26 @@ def test_readme_example_runs():
     run = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() in ("reference", "gluon", "triton", "flashinfer", "flashmla")
+
+
+def test_targets_table_sets_each_figure_beside_its_floor_and_limit():
+    from graphs.targets import Target, table
+
+    text = table([Target("batch-1 replay", 116.4, 100.0, floor=33.2, note="29 kernels"),
+                  Target("64 x 64K / bytes floor", 1.39, 1.4, unit="x", note="179.0 us against 128.8 us"),
+                  Target("kernels per replay", 29, 60, unit="kernels")])
+    assert "| batch-1 replay <= 100 us | 116.4 us (29 kernels) | 33.2 us (3.51x) | no |" in text
+    assert "| 64 x 64K / bytes floor <= 1.4x | 1.39x (179.0 us against 128.8 us) | - | yes |" in text
+    assert "| kernels per replay <= 60 kernels | 29 kernels | - | yes |" in text
+
+
+@pytest.mark.parametrize("argv, status, says", [
+    (["--only", "decode,prefill"], 2, "sections are decode, long, indexer, stack"),
+    (["--only", ","], 2, "sections are"),
+] + ([] if torch.cuda.is_available() else [(["--only", "indexer"], 1, "it needs a CUDA GPU")]))
+def test_targets_refuses_unknown_sections_and_a_machine_without_cuda(argv, status, says, capsys):
+    from graphs.targets import main
+
+    got, seconds = exits(main, argv)
+    printed = capsys.readouterr()
+    assert got == status and seconds < 5 and says in printed.out + printed.err

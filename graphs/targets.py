@@ -1,0 +1,246 @@
+"""``python -m graphs.targets``: the decode targets on one GPU in one run, each figure
+beside its floor or its limit.
+
+Sections (``--only``, comma-separated; all by default):
+
+* ``decode``: the heaviest layer kind (V4.1-Flash, ratio 2 with its own compressor and
+  indexer, ``fp8_dsv41`` caches, 256 request rows) with bf16 and then FP8 weights, batch
+  1 / 64 / 256 decoding at position 1026 (its rows hold 513 compressed entries, so the
+  top-k searches): the replay (best of 3 x 200, CUDA events), its kernels, the weight
+  floor (:func:`graphs.bench.decode_floor_us`), and :meth:`graphs.StepRunner.step`
+  against the replay (:func:`graphs.bench.time_step_overhead`).
+* ``long``: 64 requests at 128K tokens, FP8 weights: the replay against its byte floor
+  (weights, index keys and attention rows at 4.3 TB/s).
+* ``indexer``: ``indexer_topk`` (``order="id"``, the layer's call) at one token over 8K
+  entries, 64 tokens over 64K against the index-key bytes floor, and its top-k kernels
+  alone at 64 rows of 128K scores (``compile_ops.bench.indexer``'s problems: fp8 keys, 64
+  heads, 64-entry pages, ``k = 512``).
+* ``stack``: the V4.1-Flash stack's slice (one layer of each kind,
+  :func:`graphs.stack_job.build`), FP8 weights, batch 1 at 1024 tokens: the replay per
+  layer.
+
+Prints one markdown table (target, measured, floor, met) and, with ``--json``, writes its
+rows. Compiling dominates: about a minute per layer and weight kind on an H200 with a
+cold Inductor cache, so a run of every section takes several minutes; a progress line
+goes to stderr as each part starts.
+
+    python -m graphs.targets --json targets.json
+    python -m graphs.targets --only indexer,long
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from compile_ops._cli import description
+
+SECTIONS = ("decode", "long", "indexer", "stack")
+DECODE_BATCHES = (1, 64, 256)
+DECODE_POSITION = 1026  # 513 compressed entries at ratio 2: the top-k searches
+LONG_ROWS, LONG_CONTEXT = 64, 128 * 1024
+
+
+class Target(NamedTuple):
+    """One target: ``measured`` against ``limit`` (both in ``unit``; met when at most the
+    limit), with the ``floor`` it stands beside (``None``: none applies) and a ``note``."""
+
+    name: str
+    measured: float
+    limit: float
+    unit: str = "us"
+    floor: Optional[float] = None
+    note: str = ""
+
+    @property
+    def met(self) -> bool:
+        return self.measured <= self.limit
+
+    def row(self) -> dict:
+        return {**self._asdict(), "met": self.met}
+
+
+def _amount(value: float, unit: str) -> str:
+    if unit == "x":
+        return f"{value:.2f}x"
+    return f"{value:.0f} {unit}" if unit == "kernels" else f"{value:.1f} {unit}"
+
+
+def table(targets: list[Target]) -> str:
+    """The targets as a markdown table; a floor shows with the measured figure's multiple of it."""
+    lines = ["| target | measured | floor | met |", "| --- | --- | --- | --- |"]
+    for t in targets:
+        limit = f"<= {t.limit:g}x" if t.unit == "x" else f"<= {t.limit:g} {t.unit}"
+        floor = "-" if t.floor is None else f"{_amount(t.floor, t.unit)} ({t.measured / t.floor:.2f}x)"
+        note = f" ({t.note})" if t.note else ""
+        lines.append(f"| {t.name} {limit} | {_amount(t.measured, t.unit)}{note} | {floor} | "
+                     f"{'yes' if t.met else 'no'} |")
+    return "\n".join(lines)
+
+
+def _say(start: float, what: str) -> None:
+    print(f"[{time.time() - start:.0f} s] {what}", file=sys.stderr, flush=True)
+
+
+def _best_replay(graph, iters: int = 200, reps: int = 3) -> float:
+    from graphs.bench import time_replay
+
+    return min(time_replay(graph, iters) for _ in range(reps))
+
+
+def decode_targets(say: Callable[[str], None]) -> list[Target]:
+    """The heaviest layer kind's decode replays and steps, bf16 then FP8 weights."""
+    from graphs.bench import decode_floor_us, fill_random, flash_layer, grow_rows, profile_kernels, time_step_overhead
+    from graphs.runner import StepRunner
+
+    limits = {1: {"bf16": 130.0, "fp8": 100.0}, 64: 220.0, 256: 400.0}
+    out = []
+    for weights in ("bf16", "fp8"):
+        say(f"decode: compiling and capturing the {weights} layer, buckets {DECODE_BATCHES}")
+        layer = flash_layer(2, "cuda", weights=weights, kv_format="fp8_dsv41", max_tokens=max(DECODE_BATCHES))
+        runner = StepRunner(layer, list(DECODE_BATCHES))
+        runner.capture()
+        fill_random(layer)
+        for b in DECODE_BATCHES:
+            say(f"decode: {weights} batch {b}")
+            grow_rows(runner, range(b), DECODE_POSITION)
+            runner.meta.update(torch.full((b,), DECODE_POSITION, dtype=torch.int32), torch.arange(b, dtype=torch.int32),
+                               bucket=b)
+            replay = _best_replay(runner.graphs[b])
+            kernels = profile_kernels(runner.graphs[b].replay)
+            floor = decode_floor_us(layer, b, DECODE_POSITION)["floor_us"]
+            limit = limits[b][weights] if b == 1 else limits[b]
+            out.append(Target(f"{weights} batch-{b} decode replay", replay, limit, floor=floor,
+                              note=f"{kernels.count} kernels"))
+            if b == 1:
+                out.append(Target(f"{weights} batch-1 kernels per replay", kernels.count, 60, unit="kernels"))
+            overhead = time_step_overhead(runner, b, DECODE_POSITION)
+            out.append(Target(f"{weights} batch-{b} StepRunner.step / replay", overhead["ratio"], 1.05, unit="x",
+                              note=f"{overhead['step_us']} / {overhead['replay_us']} us"))
+        del runner, layer
+        torch.cuda.empty_cache()
+    return out
+
+
+def long_targets(say: Callable[[str], None]) -> list[Target]:
+    """64 requests decoding at 128K tokens with FP8 weights, against the byte floor."""
+    from graphs.attention import DSV41Attention
+    from graphs.bench import decode_floor_us, fill_random, grow_rows
+    from graphs.config import V41_FLASH, CacheConfig
+    from graphs.runner import StepRunner
+
+    say(f"long: compiling and capturing the FP8 layer for {LONG_ROWS} rows of {LONG_CONTEXT} tokens")
+    cache = CacheConfig(max_requests=LONG_ROWS, max_tokens=LONG_ROWS, max_seq_len=LONG_CONTEXT + 256, page_size=64,
+                        kv_format="fp8_dsv41")
+    layer = DSV41Attention(V41_FLASH, cache, 2, device="cuda", seed=0, weights="fp8")
+    runner = StepRunner(layer, [LONG_ROWS])
+    runner.capture()
+    fill_random(layer)
+    grow_rows(runner, range(LONG_ROWS), LONG_CONTEXT)
+    runner.meta.update(torch.full((LONG_ROWS,), LONG_CONTEXT, dtype=torch.int32),
+                       torch.arange(LONG_ROWS, dtype=torch.int32), bucket=LONG_ROWS)
+    replay = _best_replay(runner.graphs[LONG_ROWS], 100)
+    floor = decode_floor_us(layer, LONG_ROWS, LONG_CONTEXT)["floor_us"]
+    del runner, layer
+    torch.cuda.empty_cache()
+    return [Target(f"{LONG_ROWS} x 128K decode replay / floor", replay / floor, 1.6, unit="x",
+                   note=f"{replay:.1f} us against {floor:.1f} us")]
+
+
+def indexer_targets(say: Callable[[str], None]) -> list[Target]:
+    """``indexer_topk`` at one token over 8K entries and 64 x 64K, its top-k at 64 x 128K."""
+    import compile_ops
+    from compile_ops.bench import COPY_BYTES_PER_S
+    from compile_ops.bench.indexer import K, problem
+    from compile_ops.bench.slots import graph_time_us
+    from compile_ops.indexer import ops
+    from compile_ops.indexer import triton as tri
+    from compile_ops.indexer.cache import get_index_format
+    from compile_ops.indexer.inputs import local_counts
+
+    entry_bytes = get_index_format("fp8").bytes_per_token
+    out = []
+    for T, n, limit in ((1, 8192, 15.0), (64, 65536, 1.4)):
+        say(f"indexer: {T} x {n}")
+        p = problem(T, n, n, "cuda")
+        us = min(graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp8", order="id")) for _ in range(3))
+        floor = T * n * entry_bytes / COPY_BYTES_PER_S * 1e6
+        if T == 1:
+            out.append(Target(f"indexer_topk {T} x {n // 1024}K", us, limit, floor=floor))
+        else:
+            out.append(Target(f"indexer_topk {T} x {n // 1024}K / bytes floor", us / floor, limit, unit="x",
+                              note=f"{us:.1f} us against {floor:.1f} us"))
+    say("indexer: top-k alone, 64 x 128K")
+    T, n = 64, 128 * 1024
+    p = problem(T, n, n, "cuda")
+    n_local = local_counts(ops._args(*p, K, ops._check_topk(*p, K, "fp8")))[1]
+    scores = torch.randn(T, n, device="cuda")
+    ids, vals = torch.empty(T, K, dtype=torch.int32, device="cuda"), torch.empty(T, K, device="cuda")
+    maxima = tri.group_maxima_of(scores, n_local, K) if tri.grouped(n, K) else None  # the op's come with its scores
+    us = min(graph_time_us(lambda: tri.topk_of_rows(scores, n_local, ids, vals, K, sort=False, maxima=maxima))
+             for _ in range(3))
+    out.append(Target(f"top-k alone {T} x 128K", us, 50.0, note="id order, after the scores kernel"))
+    return out
+
+
+def stack_targets(say: Callable[[str], None]) -> list[Target]:
+    """The V4.1-Flash stack slice with FP8 weights, batch 1 at 1024 tokens, per layer."""
+    from graphs.bench import grow_rows, profile_kernels
+    from graphs.runner import StepRunner
+    from graphs.stack_job import build
+
+    say("stack: compiling and capturing the FP8 slice")
+    stack, _, _ = build(torch.device("cuda"), "fp8_dsv41", weights="fp8")
+    runner = StepRunner(stack, [1])
+    runner.capture()
+    grow_rows(runner, [0], 1024)
+    runner.meta.update(torch.full((1,), 1024, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), bucket=1)
+    replay = _best_replay(runner.graphs[1], 100)
+    kernels = profile_kernels(runner.graphs[1].replay)
+    layers = len(stack.layers)
+    del runner, stack
+    torch.cuda.empty_cache()
+    return [Target(f"FP8 stack batch-1 replay per layer ({layers} layers)", replay / layers, 90.0,
+                   note=f"{replay:.1f} us, {kernels.count} kernels")]
+
+
+RUNNERS = {"decode": decode_targets, "long": long_targets, "indexer": indexer_targets, "stack": stack_targets}
+
+
+def sections(value: str) -> list[str]:
+    """``--only``'s comma-separated sections, each one of :data:`SECTIONS`."""
+    names = [s.strip() for s in value.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"sections are {', '.join(SECTIONS)}; got {value!r}")
+    return names
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m graphs.targets", description=description(__doc__))
+    p.add_argument("--only", type=sections, default=list(SECTIONS),
+                   help=f"comma-separated sections to run (default: all of {', '.join(SECTIONS)})")
+    p.add_argument("--json", help="write the targets' rows here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m graphs.targets times CUDA graphs on the GPU the targets are set for: it needs a CUDA GPU")
+        return 1
+    start = time.time()
+    targets = []
+    for name in args.only:
+        targets += RUNNERS[name](lambda what: _say(start, what))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; {time.time() - start:.0f} s\n")
+    print(table(targets))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([t.row() for t in targets], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
