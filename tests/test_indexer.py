@@ -321,11 +321,13 @@ def test_local_entries_and_global_ids_follow_the_interleave_rule():
 
 @pytest.mark.parametrize("k", [1, 7, 64])
 @pytest.mark.parametrize("grouped", [False, True], ids=["entries", "groups-first"])
-def test_interpreter_topk_over_many_segments(k, grouped, monkeypatch):
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "distinct"])
+def test_interpreter_topk_over_many_segments(k, grouped, ties, monkeypatch):
     """The segmented top-k (segments' best entries selected from again over several levels,
     ties kept by the lower id across segment borders), and the same rows taken through
-    their groups' best scores first, equal a stable sort, with ``-inf`` holes, a NaN (no
-    entry) and short rows."""
+    their groups' best scores first (distinct scores: few of the kept groups' entries reach
+    the k-th best group's best, the bound the selection among them counts from), equal a
+    stable sort, with ``-inf`` holes, a NaN (no entry) and short rows."""
     pytest.importorskip("triton")
     from compile_ops.indexer import triton as kernels
     from compile_ops.indexer.reference import topk_of_scores
@@ -335,7 +337,7 @@ def test_interpreter_topk_over_many_segments(k, grouped, monkeypatch):
     gen = torch.Generator().manual_seed(k)
     T, L = 5, 700
     assert kernels.grouped(L, k) == grouped
-    scores = torch.randint(-6, 7, (T, L), generator=gen).float()  # many ties
+    scores = torch.randint(-6, 7, (T, L), generator=gen).float() if ties else torch.randn(T, L, generator=gen)
     scores[:, ::9] = float("-inf")
     scores[1] = -0.0  # -0.0 and 0.0 are one score
     scores[1, ::2] = 0.0

@@ -44,7 +44,7 @@ def builds() -> dict:
                              allowed="*i8", scores="*fp32", n_out="*i32", gmax="*fp32", g_counts="*i32"))
     topk = dict(kernel=f"{mod}:_segment_topk_kernel", aligned=["s_src", "s_ids", "s_cand", "s_out"],
                 types=dict(src_vals="*fp32", src_ids="*i32", n="*i32", n_src="*i32", cand_vals="*fp32",
-                           cand_ids="*i32", ids="*i32", vals="*fp32"))
+                           cand_ids="*i32", ids="*i32", vals="*fp32", bound="*i32"))
     out = {}
     # (a long row's scores write the top-k's group maxima too: the bulk-copied fp8 and the fp4 ones here)
     for fmt, restrict, bulk in (("fp8", False, False), ("fp8", True, False), ("bf16", False, False),
@@ -61,9 +61,11 @@ def builds() -> dict:
     for launch in sorted(launches):
         name = (f"topk-{launch.source}-{launch.seg}-{launch.k_pad}-{'last' if launch.last else 'level'}-"
                 f"{'sorted' if launch.sort else 'ids'}")
+        # (a selection of groups stores its bound where a program covers the row: an id-order one here)
         out[name] = dict(topk, num_warps=launch.warps,
                          constants=dict(SOURCE=launch.source, G=kernels.TOPK_GROUP, SEG=launch.seg, K_PAD=launch.k_pad,
-                                        LAST=launch.last, SORTED=launch.sort))
+                                        LAST=launch.last, SORTED=launch.sort,
+                                        BOUND=launch.source != 2 and not launch.sort))
     out["group-max"] = dict(kernel=f"{mod}:_group_max_kernel", types=dict(
         scores="*fp32", n="*i32", gmax="*fp32", g_counts="*i32"),
         constants=dict(G=kernels.TOPK_GROUP, BLOCK=kernels.GROUP_MAX_BLOCK))

@@ -28,7 +28,10 @@ capacity.
   id order (``order="id"``: no sort). A row of at most ``TOPK_SEGMENTS[1]`` scores can be
   one launch of one program per row. :func:`topk_plan` states the launches.
 * a long row's top-k (:func:`grouped`) starts from its groups' best scores
-  (:class:`GroupMaxima`), which the scores kernel writes beside the scores.
+  (:class:`GroupMaxima`), which the scores kernel writes beside the scores; the selection
+  of its best groups also bounds its entries (none under the ``k``-th best group's best
+  score is in the top-k), so the selection among their entries searches only where more
+  than ``k`` reach the bound.
 * DeepSeek-V4.1's candidate blocks: ``_block_max_kernel`` takes each visible block's best
   score from the scores buffer (then the same top-k over the blocks), and for a top-k
   restricted to candidates ``_candidate_mask_kernel`` marks each token's blocks for the
@@ -320,20 +323,24 @@ def _group_max_kernel(scores, n, gmax, g_counts, s_st, s_gt, T, K, G: tl.constex
 
 @triton.jit
 def _segment_topk_kernel(
-    src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, s_src, s_ids, s_cand, s_out, K, PREV_COVER, COVER,
-    SOURCE: tl.constexpr, G: tl.constexpr, SEG: tl.constexpr, K_PAD: tl.constexpr,
-    LAST: tl.constexpr, SORTED: tl.constexpr,
+    src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, bound, s_src, s_ids, s_cand, s_out, K, PREV_COVER,
+    COVER, SOURCE: tl.constexpr, G: tl.constexpr, SEG: tl.constexpr, K_PAD: tl.constexpr,
+    LAST: tl.constexpr, SORTED: tl.constexpr, BOUND: tl.constexpr,
 ):
     """One level of the top-k: program ``(t, s)`` holds entries ``[s * SEG, (s + 1) * SEG)``
     of row ``t``'s first ``n[t]`` and keeps their best ``K`` (:func:`_kth_key`; equal scores go
     to the lower id) in id order, ``-inf`` after. ``SOURCE`` 0: the row's scores (``-inf`` =
     none); 1: the entries the level before kept, ``K_PAD`` slots per program; 2: the entries
     of the row's kept groups (``src_ids [T, K]``: group ids in id order, ``-1`` after; entry
-    ``c`` is entry ``c % G`` of group ``c // G``, of the ``n_src[t]`` scores). Where it covers
-    the whole row (``n[t] <= COVER``) it stores the row's ``K`` ids / scores: sorted by
-    (score descending, id ascending) if ``SORTED``, else in id order; ``-1`` / ``-inf`` after.
-    Programs with nothing to do (past the row's entries, or a row an earlier level
-    finished: ``n[t] <= PREV_COVER``) return at once."""
+    ``c`` is entry ``c % G`` of group ``c // G``, of the ``n_src[t]`` scores; only those at or
+    above ``bound[t]`` count). Where it covers the whole row (``n[t] <= COVER``) it stores the
+    row's ``K`` ids / scores: sorted by (score descending, id ascending) if ``SORTED``, else
+    in id order; ``-1`` / ``-inf`` after; with ``BOUND`` (the selection of a row's groups) also
+    ``bound[t]``, the key of its ``K``-th best score when it has more than ``K`` (else the
+    lowest key: no bound): at least ``K`` of the row's entries score that or more, so none
+    below it is in the row's top-``K``. Programs with nothing to do (past the row's entries, or a row an
+    earlier level finished: ``n[t] <= PREV_COVER``) return at once; so does the search of a
+    program holding at most ``K`` entries (it keeps them all)."""
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     n_t = tl.maximum(tl.load(n + i_t), 0)
     if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
@@ -354,9 +361,12 @@ def _segment_topk_kernel(
             x = tl.load(src_vals + i_t.to(tl.int64) * s_src + idx, mask=valid, other=float("-inf"))
         key = _sortable(x)
         ok = valid & (x > float("-inf"))
-        thr = tl.full([], -2147483648, tl.int32)  # keep every valid entry ...
+        if SOURCE == 2:  # under the K-th best group's best: not in the top-K
+            ok = ok & (key >= tl.load(bound + i_t))
+        held = tl.sum(ok.to(tl.int32))
+        thr = tl.full([], -2147483648, tl.int32)  # keep every entry ...
         need = K
-        if tl.sum(valid.to(tl.int32)) > K:  # ... unless this program holds more than K
+        if held > K:  # ... unless this program holds more than K
             thr, need = _kth_key(key, ok, K)
         eq = (ok & (key == thr)).to(tl.int32)
         keep = (ok & (key > thr)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < need))
@@ -365,6 +375,8 @@ def _segment_topk_kernel(
         taken = tl.sum(keep_i)
         o_k = tl.arange(0, K_PAD)
         if LAST or n_t <= COVER:
+            if BOUND:
+                tl.store(bound + i_t, thr)
             tl.store(ids + i_t * s_out + at, idx, mask=keep)
             tl.store(vals + i_t * s_out + at, x, mask=keep)
             if SORTED:
@@ -491,9 +503,11 @@ def topk_plan(T, L: int, k: int, sms: int, segment: Optional[int] = None, sort: 
             _selection(T, k * TOPK_GROUP, k, sms, segment, 2, sort)]
 
 
-def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=None) -> None:
+def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=None, bound=None,
+            store_bound: bool = False) -> None:
     """``levels`` over ``src [T, L]`` (a first ``source`` 2: entries addressed through
-    ``groups``), ending in ``ids`` / ``vals``."""
+    ``groups``, at or above ``bound``), ending in ``ids`` / ``vals`` (and, ``store_bound``,
+    the row's ``k``-th best key into ``bound``)."""
     T = src.shape[0]
     src_vals, src_ids, prev_cover = src, groups if levels[0].source == 2 else n, -1
     for level in levels:
@@ -503,10 +517,11 @@ def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=N
             cand_vals = torch.empty((T, level.programs * level.k_pad), dtype=torch.float32, device=src.device)
             cand_ids = torch.empty((T, level.programs * level.k_pad), dtype=torch.int32, device=src.device)
         launchable(_segment_topk_kernel, src)[(T, level.programs)](
-            src_vals, src_ids, n, n if n_src is None else n_src, cand_vals, cand_ids, ids, vals, src_vals.stride(0),
-            src_ids.stride(0) if src_ids.dim() == 2 else 0, cand_vals.stride(0), ids.stride(0), k, prev_cover,
-            level.cover, SOURCE=level.source, G=TOPK_GROUP, SEG=level.seg, K_PAD=level.k_pad,
-            LAST=level.last, SORTED=level.sort, num_warps=level.warps,
+            src_vals, src_ids, n, n if n_src is None else n_src, cand_vals, cand_ids, ids, vals,
+            n if bound is None else bound, src_vals.stride(0), src_ids.stride(0) if src_ids.dim() == 2 else 0,
+            cand_vals.stride(0), ids.stride(0), k, prev_cover, level.cover, SOURCE=level.source, G=TOPK_GROUP,
+            SEG=level.seg, K_PAD=level.k_pad, LAST=level.last, SORTED=level.sort, BOUND=store_bound,
+            num_warps=level.warps,
         )
         src_vals, src_ids, prev_cover = cand_vals, cand_ids, level.cover
 
@@ -543,8 +558,9 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     maxima = maxima or group_maxima_of(scores, n, k)
     n_groups, n_cand = maxima.counts
     groups = torch.empty((T, k), dtype=torch.int32, device=scores.device)
-    _launch(plan[0], maxima.best, n_groups, groups, vals, k)
-    _launch(plan[1], scores, n_cand, ids, vals, k, groups=groups, n_src=n)
+    bound = torch.empty((T,), dtype=torch.int32, device=scores.device)
+    _launch(plan[0], maxima.best, n_groups, groups, vals, k, bound=bound, store_bound=True)
+    _launch(plan[1], scores, n_cand, ids, vals, k, groups=groups, n_src=n, bound=bound)
 
 
 def global_blocks(args: IndexerArgs) -> int:
