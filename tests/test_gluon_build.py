@@ -23,9 +23,9 @@ pytest.importorskip("triton")
 # "window+compressed": a call of two formats (DeepSeek-V4.1's)
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41", "fp8_dsv41+fp4_dsv41"]
 BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
-# the indexer's scores kernel (compile_ops/indexer/gluon.py): "indexer:format:heads:restrict:page shift"
-# (V4.1's 32 index heads and V4's 64; candidate blocks or not; power-of-two pages or any)
-# indexer:format:heads:restrict:page_shift:group maxima
+# the indexer's scores kernel (compile_ops/indexer/gluon.py): "indexer:format:heads:restrict:page shift:groups"
+# (V4.1's 32 index heads and V4's 64; candidate blocks or not; power-of-two pages or any;
+# writing the top-k's group maxima or not)
 INDEXER_BUILDS = [f"indexer:{fmt}:{build}" for fmt in ("fp4", "fp8")
                   for build in ("32:0:6:0", "32:1:-1:1", "64:0:5:1", "64:1:6:0", "16:0:6:1")]
 
