@@ -341,7 +341,9 @@ class StepMetadata(nn.Module):
         packed, at = host.numpy(), 0
         for table, (rows, cols, pages) in work:
             k = rows.numel()
-            packed[at:at + 2 * k].view(np.int64)[:] = rows.numpy().astype(np.int64) * table.shape[1] + cols.numpy()
+            flat = packed[at:at + 2 * k].view(np.int64)
+            np.multiply(rows.numpy(), table.shape[1], out=flat, dtype=np.int64)  # (no int32 temporary)
+            np.add(flat, cols.numpy(), out=flat)
             packed[at + 2 * k:at + 3 * k] = pages.numpy()
             at += 3 * k + k % 2
         moved, at = host.to(device, non_blocking=True), 0
