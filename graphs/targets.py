@@ -18,6 +18,8 @@ Sections (``--only``, comma-separated; all by default):
 * ``stack``: the V4.1-Flash stack's slice (one layer of each kind,
   :func:`graphs.stack_job.build`), FP8 weights, batch 1 at 1024 tokens: the replay per
   layer.
+* ``fp4``: ``indexer_topk`` over DeepSeek-V4.1's fp4 index keys (68 B an entry, its 32
+  index heads), 64 tokens over 64K entries, as a share of the HBM bandwidth.
 
 Prints one markdown table (target, measured, floor, met) and, with ``--json``, writes its
 rows. Compiling dominates: about a minute per layer and weight kind on an H200 with a
@@ -40,7 +42,7 @@ import torch
 
 from compile_ops._cli import description
 
-SECTIONS = ("decode", "long", "indexer", "stack")
+SECTIONS = ("decode", "long", "indexer", "stack", "fp4")
 DECODE_BATCHES = (1, 64, 256)
 DECODE_POSITION = 1026  # 513 compressed entries at ratio 2: the top-k searches
 LONG_ROWS, LONG_CONTEXT = 64, 128 * 1024
@@ -209,7 +211,28 @@ def stack_targets(say: Callable[[str], None]) -> list[Target]:
                    note=f"{replay:.1f} us, {kernels.count} kernels")]
 
 
-RUNNERS = {"decode": decode_targets, "long": long_targets, "indexer": indexer_targets, "stack": stack_targets}
+def fp4_targets(say: Callable[[str], None]) -> list[Target]:
+    """``indexer_topk`` over fp4 index keys at 64 x 64K, as a share of the HBM bandwidth."""
+    import compile_ops
+    from compile_ops.bench import COPY_BYTES_PER_S
+    from compile_ops.bench.indexer import K, problem
+    from compile_ops.bench.slots import graph_time_us
+    from compile_ops.indexer.cache import get_index_format
+
+    T, n = 64, 65536
+    say(f"fp4: indexer_topk {T} x {n} over fp4 keys, 32 heads")
+    p = problem(T, n, n, "cuda", "fp4", heads=32)
+    us = min(graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp4", order="id")) for _ in range(3))
+    key_bytes = T * n * get_index_format("fp4").bytes_per_token
+    share = key_bytes / (us * 1e-6) / COPY_BYTES_PER_S
+    # met at >= 70 %: stated as the time against the bytes floor, <= 1 / 0.7 of it
+    floor = key_bytes / COPY_BYTES_PER_S * 1e6
+    return [Target(f"fp4 indexer_topk {T} x 64K / bytes floor", us / floor, round(1 / 0.7, 3), unit="x",
+                   note=f"{us:.1f} us, {100 * share:.1f} % of 4.3 TB/s")]
+
+
+RUNNERS = {"decode": decode_targets, "long": long_targets, "indexer": indexer_targets, "stack": stack_targets,
+           "fp4": fp4_targets}
 
 
 def sections(value: str) -> list[str]:
