@@ -32,7 +32,9 @@ one power-of-two scale per head, folded into its weight, as the portable kernel 
 
 Program ``(t, s)`` takes blocks ``s, s + S, ...`` of token ``t``'s entries, as the portable
 kernel does, and stores the same scores (``-inf`` at holes, outside the candidate blocks
-and nowhere past the token's count).
+and nowhere past the token's count); for rows long enough that their top-k starts from
+groups of 16 entries, the groups' best scores too (a warp's 16 rows of the product are one
+group: a reduction within the warp).
 """
 
 from __future__ import annotations
