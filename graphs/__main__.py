@@ -47,8 +47,8 @@ from compile_ops.indexer.cache import INDEX_FORMATS
 from compile_ops.indexer.ops import GLUON_INDEX_FORMATS
 from graphs import (DEFAULT_BUCKETS, PRESETS, TINY, V41_CACHE_FORMATS, V41_FLASH, CacheConfig, DSV41Attention, StepRunner,
                     buffer_bytes)
-from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, eager_twin, fill_random, grow_rows, plot, time_batches,
-                          time_large_steps, time_page_planning, time_prefill, time_replay, read_weight_bytes, weight_bytes)
+from graphs.bench import (COPY_BYTES_PER_S, capacity_replays, pick_matched, decode_floor_us, decode_replay_at, eager_twin, fill_random, plot, time_batches,
+                          time_large_steps, time_page_planning, time_prefill, read_weight_bytes, weight_bytes)
 from graphs.fp8 import FP8_WEIGHTS_REL_TOL, dequantized_state_dict
 from graphs.naive import cache_tolerance, oracle_verdict
 from graphs.schedule import hidden_states, mixed_workload, run_workload
@@ -284,9 +284,7 @@ def time_gpu(args, runner: StepRunner, info: dict, start: float, deadline: float
         info["prefill"] = time_prefill(runner, 32 * 1024, 4096)
     if not late():
         progress(ratio, start, f"64 requests decoding at {LONG} tokens")
-        grow_rows(runner, range(64), LONG)
-        runner.meta.update(torch.full((64,), LONG, dtype=torch.int32), torch.arange(64, dtype=torch.int32), bucket=64)
-        replay = time_replay(runner.graphs[64], 5 * args.iters)
+        replay = decode_replay_at(runner, 64, LONG, 5 * args.iters)
         floor = decode_floor_us(layer, 64, LONG)
         info["long_decode"] = {"batch": 64, "context": LONG, "replay_us": round(replay, 1),
                                "floor_us": round(floor["floor_us"], 1), "floor_bytes": floor["bytes"],

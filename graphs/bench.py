@@ -105,6 +105,17 @@ def time_replay(graph: "torch.cuda.CUDAGraph", iters: int) -> float:
     return begin.elapsed_time(end) / iters * 1e3
 
 
+def decode_replay_at(runner: StepRunner, batch: int, position: int, iters: int, reps: int = 1) -> float:
+    """Microseconds per replay of ``runner``'s bucket for ``batch`` requests (rows ``0 ..
+    batch - 1``, their pages grown to ``position`` tokens by :func:`grow_rows`) each decoding
+    one token at ``position``: the best of ``reps`` loops of ``iters`` (:func:`time_replay`)."""
+    grow_rows(runner, range(batch), position)
+    bucket = runner.bucket_for(batch)
+    runner.meta.update(torch.full((batch,), position, dtype=torch.int32), torch.arange(batch, dtype=torch.int32),
+                       bucket=bucket)
+    return min(time_replay(runner.graphs[bucket], iters) for _ in range(reps))
+
+
 class KernelProfile(NamedTuple):
     """What ``torch.profiler`` saw of one call (kernels and device memcpy / memset)."""
 

@@ -89,15 +89,25 @@ def _say(start: float, what: str) -> None:
     print(f"[{time.time() - start:.0f} s] {what}", file=sys.stderr, flush=True)
 
 
-def _best_replay(graph, iters: int = 200, reps: int = 3) -> float:
-    from graphs.bench import time_replay
+def _indexer_op(T: int, n: int, index_format: str, heads: int) -> tuple[float, float]:
+    """``(us, floor us)`` of ``indexer_topk`` (``order="id"``) for ``T`` tokens over ``n``
+    entries each (``compile_ops.bench.indexer``'s problem), best of 3, and its key bytes at
+    4.3 TB/s."""
+    import compile_ops
+    from compile_ops.bench import COPY_BYTES_PER_S
+    from compile_ops.bench.indexer import K, problem
+    from compile_ops.bench.slots import graph_time_us
+    from compile_ops.indexer.cache import get_index_format
 
-    return min(time_replay(graph, iters) for _ in range(reps))
+    p = problem(T, n, n, "cuda", index_format, heads=heads)
+    us = min(graph_time_us(lambda: compile_ops.indexer_topk(*p, K, index_format, order="id")) for _ in range(3))
+    return us, T * n * get_index_format(index_format).bytes_per_token / COPY_BYTES_PER_S * 1e6
 
 
 def decode_targets(say: Callable[[str], None]) -> list[Target]:
     """The heaviest layer kind's decode replays and steps, bf16 then FP8 weights."""
-    from graphs.bench import decode_floor_us, fill_random, flash_layer, grow_rows, profile_kernels, time_step_overhead
+    from graphs.bench import (decode_floor_us, decode_replay_at, fill_random, flash_layer, profile_kernels,
+                              time_step_overhead)
     from graphs.runner import StepRunner
 
     limits = {1: {"bf16": 130.0, "fp8": 100.0}, 64: 220.0, 256: 400.0}
@@ -110,10 +120,7 @@ def decode_targets(say: Callable[[str], None]) -> list[Target]:
         fill_random(layer)
         for b in DECODE_BATCHES:
             say(f"decode: {weights} batch {b}")
-            grow_rows(runner, range(b), DECODE_POSITION)
-            runner.meta.update(torch.full((b,), DECODE_POSITION, dtype=torch.int32), torch.arange(b, dtype=torch.int32),
-                               bucket=b)
-            replay = _best_replay(runner.graphs[b])
+            replay = decode_replay_at(runner, b, DECODE_POSITION, 200, reps=3)
             kernels = profile_kernels(runner.graphs[b].replay)
             floor = decode_floor_us(layer, b, DECODE_POSITION)["floor_us"]
             limit = limits[b][weights] if b == 1 else limits[b]
@@ -131,22 +138,16 @@ def decode_targets(say: Callable[[str], None]) -> list[Target]:
 
 def long_targets(say: Callable[[str], None]) -> list[Target]:
     """64 requests decoding at 128K tokens with FP8 weights, against the byte floor."""
-    from graphs.attention import DSV41Attention
-    from graphs.bench import decode_floor_us, fill_random, grow_rows
-    from graphs.config import V41_FLASH, CacheConfig
+    from graphs.bench import decode_floor_us, decode_replay_at, fill_random, flash_layer
     from graphs.runner import StepRunner
 
     say(f"long: compiling and capturing the FP8 layer for {LONG_ROWS} rows of {LONG_CONTEXT} tokens")
-    cache = CacheConfig(max_requests=LONG_ROWS, max_tokens=LONG_ROWS, max_seq_len=LONG_CONTEXT + 256, page_size=64,
-                        kv_format="fp8_dsv41")
-    layer = DSV41Attention(V41_FLASH, cache, 2, device="cuda", seed=0, weights="fp8")
+    layer = flash_layer(2, "cuda", weights="fp8", kv_format="fp8_dsv41", max_requests=LONG_ROWS, max_tokens=LONG_ROWS,
+                        max_seq_len=LONG_CONTEXT + 256)
     runner = StepRunner(layer, [LONG_ROWS])
     runner.capture()
     fill_random(layer)
-    grow_rows(runner, range(LONG_ROWS), LONG_CONTEXT)
-    runner.meta.update(torch.full((LONG_ROWS,), LONG_CONTEXT, dtype=torch.int32),
-                       torch.arange(LONG_ROWS, dtype=torch.int32), bucket=LONG_ROWS)
-    replay = _best_replay(runner.graphs[LONG_ROWS], 100)
+    replay = decode_replay_at(runner, LONG_ROWS, LONG_CONTEXT, 100, reps=3)
     floor = decode_floor_us(layer, LONG_ROWS, LONG_CONTEXT)["floor_us"]
     del runner, layer
     torch.cuda.empty_cache()
@@ -156,43 +157,30 @@ def long_targets(say: Callable[[str], None]) -> list[Target]:
 
 def indexer_targets(say: Callable[[str], None]) -> list[Target]:
     """``indexer_topk`` at one token over 8K entries and 64 x 64K, its top-k at 64 x 128K."""
-    import compile_ops
-    from compile_ops.bench import COPY_BYTES_PER_S
-    from compile_ops.bench.indexer import K, problem
-    from compile_ops.bench.slots import graph_time_us
+    from compile_ops.bench.indexer import HEADS, K, problem, topk_alone_us
     from compile_ops.indexer import ops
-    from compile_ops.indexer import triton as tri
-    from compile_ops.indexer.cache import get_index_format
     from compile_ops.indexer.inputs import local_counts
 
-    entry_bytes = get_index_format("fp8").bytes_per_token
-    out = []
-    for T, n, limit in ((1, 8192, 15.0), (64, 65536, 1.4)):
-        say(f"indexer: {T} x {n}")
-        p = problem(T, n, n, "cuda")
-        us = min(graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp8", order="id")) for _ in range(3))
-        floor = T * n * entry_bytes / COPY_BYTES_PER_S * 1e6
-        if T == 1:
-            out.append(Target(f"indexer_topk {T} x {n // 1024}K", us, limit, floor=floor))
-        else:
-            out.append(Target(f"indexer_topk {T} x {n // 1024}K / bytes floor", us / floor, limit, unit="x",
-                              note=f"{us:.1f} us against {floor:.1f} us"))
+    say("indexer: 1 x 8192")
+    us, floor = _indexer_op(1, 8192, "fp8", HEADS)
+    out = [Target("indexer_topk 1 x 8K", us, 15.0, floor=floor)]
+    say("indexer: 64 x 65536")
+    us, floor = _indexer_op(64, 65536, "fp8", HEADS)
+    out.append(Target("indexer_topk 64 x 64K / bytes floor", us / floor, 1.4, unit="x",
+                      note=f"{us:.1f} us against {floor:.1f} us"))
     say("indexer: top-k alone, 64 x 128K")
     T, n = 64, 128 * 1024
     p = problem(T, n, n, "cuda")
     n_local = local_counts(ops._args(*p, K, ops._check_topk(*p, K, "fp8")))[1]
     scores = torch.randn(T, n, device="cuda")
-    ids, vals = torch.empty(T, K, dtype=torch.int32, device="cuda"), torch.empty(T, K, device="cuda")
-    maxima = tri.group_maxima_of(scores, n_local, K) if tri.grouped(n, K) else None  # the op's come with its scores
-    us = min(graph_time_us(lambda: tri.topk_of_rows(scores, n_local, ids, vals, K, sort=False, maxima=maxima))
-             for _ in range(3))
+    us = min(topk_alone_us(scores, n_local, False) for _ in range(3))
     out.append(Target(f"top-k alone {T} x 128K", us, 50.0, note="id order, after the scores kernel"))
     return out
 
 
 def stack_targets(say: Callable[[str], None]) -> list[Target]:
     """The V4.1-Flash stack slice with FP8 weights, batch 1 at 1024 tokens, per layer."""
-    from graphs.bench import grow_rows, profile_kernels
+    from graphs.bench import decode_replay_at, profile_kernels
     from graphs.runner import StepRunner
     from graphs.stack_job import build
 
@@ -200,9 +188,7 @@ def stack_targets(say: Callable[[str], None]) -> list[Target]:
     stack, _, _ = build(torch.device("cuda"), "fp8_dsv41", weights="fp8")
     runner = StepRunner(stack, [1])
     runner.capture()
-    grow_rows(runner, [0], 1024)
-    runner.meta.update(torch.full((1,), 1024, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), bucket=1)
-    replay = _best_replay(runner.graphs[1], 100)
+    replay = decode_replay_at(runner, 1, 1024, 100, reps=3)
     kernels = profile_kernels(runner.graphs[1].replay)
     layers = len(stack.layers)
     del runner, stack
@@ -213,22 +199,11 @@ def stack_targets(say: Callable[[str], None]) -> list[Target]:
 
 def fp4_targets(say: Callable[[str], None]) -> list[Target]:
     """``indexer_topk`` over fp4 index keys at 64 x 64K, as a share of the HBM bandwidth."""
-    import compile_ops
-    from compile_ops.bench import COPY_BYTES_PER_S
-    from compile_ops.bench.indexer import K, problem
-    from compile_ops.bench.slots import graph_time_us
-    from compile_ops.indexer.cache import get_index_format
-
-    T, n = 64, 65536
-    say(f"fp4: indexer_topk {T} x {n} over fp4 keys, 32 heads")
-    p = problem(T, n, n, "cuda", "fp4", heads=32)
-    us = min(graph_time_us(lambda: compile_ops.indexer_topk(*p, K, "fp4", order="id")) for _ in range(3))
-    key_bytes = T * n * get_index_format("fp4").bytes_per_token
-    share = key_bytes / (us * 1e-6) / COPY_BYTES_PER_S
-    # met at >= 70 %: stated as the time against the bytes floor, <= 1 / 0.7 of it
-    floor = key_bytes / COPY_BYTES_PER_S * 1e6
-    return [Target(f"fp4 indexer_topk {T} x 64K / bytes floor", us / floor, round(1 / 0.7, 3), unit="x",
-                   note=f"{us:.1f} us, {100 * share:.1f} % of 4.3 TB/s")]
+    say("fp4: indexer_topk 64 x 65536 over fp4 keys, 32 heads")
+    us, floor = _indexer_op(64, 65536, "fp4", 32)
+    # met at >= 70 % of the bandwidth: the time at most 1 / 0.7 of the bytes floor
+    return [Target("fp4 indexer_topk 64 x 64K / bytes floor", us / floor, round(1 / 0.7, 3), unit="x",
+                   note=f"{us:.1f} us, {100 * floor / us:.1f} % of 4.3 TB/s")]
 
 
 RUNNERS = {"decode": decode_targets, "long": long_targets, "indexer": indexer_targets, "stack": stack_targets,

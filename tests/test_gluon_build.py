@@ -91,7 +91,8 @@ def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift
                    FP4=index_format == "fp4", GROUPS=groups, G=TOPK_GROUP)
     signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if signature[n].startswith("*") or n in ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at", "s_gt")}
+               if signature[n].startswith("*")
+               or n in ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at", "s_gt")}
     source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in options.items()}, aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 

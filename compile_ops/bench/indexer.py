@@ -52,6 +52,20 @@ def problem(T: int, n: int, capacity: int, device, index_format: str = "fp8", he
     return q, weights, cache, table, rows, counts
 
 
+def topk_alone_us(scores: torch.Tensor, n_local: torch.Tensor, sort: bool, calls: int = 20,
+                  replays: int = 10) -> float:
+    """Microseconds of the op's top-k launches alone over ``scores [T, L]`` (each row's first
+    ``n_local[t]``), ``k = K``: those after its scores kernel, so a long row's group maxima
+    are given (the scores kernel writes them)."""
+    from compile_ops.indexer import triton as tri
+
+    T, L = scores.shape
+    ids, vals = torch.empty(T, K, dtype=torch.int32, device=scores.device), torch.empty(T, K, device=scores.device)
+    maxima = tri.group_maxima_of(scores, n_local, K) if tri.grouped(L, K) else None
+    return graph_time_us(lambda: tri.topk_of_rows(scores, n_local, ids, vals, K, sort=sort, maxima=maxima), calls,
+                         replays)
+
+
 def dense_reference(q, weights, cache, table, rows, counts, index_format):
     """Plain torch over every addressed entry: gather, dequantize, score, ``torch.topk``."""
     from compile_ops.indexer.cache import dequantize_e2m1, quantize_e2m1, quantize_e4m3, read_index_keys
@@ -89,7 +103,6 @@ def main(argv: list[str]) -> int:
         return 1
     import compile_ops
     from compile_ops.indexer import ops
-    from compile_ops.indexer import triton as tri
     from compile_ops.indexer.cache import get_index_format
     from compile_ops.indexer.inputs import local_counts
 
@@ -113,15 +126,9 @@ def main(argv: list[str]) -> int:
                                  args.replays)
         fmt = ops._check_topk(*p, K, fmt_name)
         n_local = local_counts(ops._args(*p, K, fmt))[1]
-        scores = torch.empty(T, n, device=device)
-        ids, vals = torch.empty(T, K, dtype=torch.int32, device=device), torch.empty(T, K, device=device)
-        scores.copy_(torch.randn(T, n, device=device))
-        # the op's top-k launches: a long row's group maxima come with its scores
-        maxima = tri.group_maxima_of(scores, n_local, K) if tri.grouped(n, K) else None
-        topk_us = graph_time_us(lambda: tri.topk_of_rows(scores, n_local, ids, vals, K, maxima=maxima), args.calls,
-                                args.replays)
-        topk_id_us = graph_time_us(lambda: tri.topk_of_rows(scores, n_local, ids, vals, K, sort=False, maxima=maxima),
-                                   args.calls, args.replays)
+        scores = torch.randn(T, n, device=device)
+        topk_us = topk_alone_us(scores, n_local, True, args.calls, args.replays)
+        topk_id_us = topk_alone_us(scores, n_local, False, args.calls, args.replays)
         torch_topk_us = graph_time_us(lambda: torch.topk(scores, K, dim=1), args.calls, args.replays)
         ref_us = None
         if T * n * 128 <= DENSE_LIMIT:

@@ -303,7 +303,7 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
     L = table.shape[1] * page_size
     rank, world, interleave = args.shard
     S = max(1, min(triton.cdiv(L, BN), PROGRAMS_PER_SM * num_sms(q.device) // (hi - lo)))
-    gmax, g_counts = maxima or (scores, n)
+    gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
     _scores_kernel[(hi - lo, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
         gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),

@@ -338,9 +338,9 @@ def _segment_topk_kernel(
     in id order; ``-1`` / ``-inf`` after; with ``BOUND`` (the selection of a row's groups) also
     ``bound[t]``, the key of its ``K``-th best score when it has more than ``K`` (else the
     lowest key: no bound): at least ``K`` of the row's entries score that or more, so none
-    below it is in the row's top-``K``. Programs with nothing to do (past the row's entries, or a row an
-    earlier level finished: ``n[t] <= PREV_COVER``) return at once; so does the search of a
-    program holding at most ``K`` entries (it keeps them all)."""
+    below it is in the row's top-``K``. Programs with nothing to do (past the row's entries,
+    or a row an earlier level finished: ``n[t] <= PREV_COVER``) return at once; so does the
+    search of a program holding at most ``K`` entries (it keeps them all)."""
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     n_t = tl.maximum(tl.load(n + i_t), 0)
     if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
@@ -555,7 +555,8 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     if len(plan) == 1:
         _launch(plan[0], scores, n, ids, vals, k)
         return
-    maxima = maxima or group_maxima_of(scores, n, k)
+    if maxima is None:
+        maxima = group_maxima_of(scores, n, k)
     n_groups, n_cand = maxima.counts
     groups = torch.empty((T, k), dtype=torch.int32, device=scores.device)
     bound = torch.empty((T,), dtype=torch.int32, device=scores.device)
@@ -635,7 +636,7 @@ def launch_scores(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: 
     programs_per_sm, stages = SCORE_LAUNCH[keys is not cache]
     blocks = triton.cdiv(L, BN)
     S = torch.sym_max(1, torch.sym_min(blocks, programs_per_sm * num_sms(q.device) // (hi - lo)))
-    gmax, g_counts = maxima or (scores, n)
+    gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
     launchable(_scores_kernel, q)[(hi - lo, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, keys, table, allowed, scores, n,
         gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),

@@ -13,9 +13,8 @@ import time
 
 import torch
 
-from graphs import DSV41Attention, DSV41Stack, StepRunner, V41_FLASH, V41_FLASH_PLAN
-from graphs.bench import decode_floor_us, fill_random, grow_rows, profile_kernels, time_replay
-from graphs.config import CacheConfig
+from graphs import CacheConfig, DSV41Stack, StepRunner, V41_FLASH, V41_FLASH_PLAN
+from graphs.bench import decode_floor_us, decode_replay_at, fill_random, flash_layer, profile_kernels
 from graphs.memory import stack_buffer_bytes
 
 LONG, ROWS = 128 * 1024, 64
@@ -27,17 +26,13 @@ FORMATS = {
 
 def long_decode(fmt: dict) -> dict:
     """Best of 3 x 100 replays of a 64-row decode step at 128K, its floor and kernels."""
-    cache = CacheConfig(max_requests=ROWS, max_tokens=ROWS, max_seq_len=LONG + 256, page_size=64, **fmt)
-    layer = DSV41Attention(V41_FLASH, cache, 2, device="cuda", seed=0, weights="fp8")
+    layer = flash_layer(2, "cuda", weights="fp8", max_requests=ROWS, max_tokens=ROWS, max_seq_len=LONG + 256, **fmt)
     runner = StepRunner(layer, [ROWS])
     runner.capture()
     fill_random(layer)
-    grow_rows(runner, range(ROWS), LONG)
-    runner.meta.update(torch.full((ROWS,), LONG, dtype=torch.int32), torch.arange(ROWS, dtype=torch.int32), bucket=ROWS)
-    graph = runner.graphs[ROWS]
-    replay = min(time_replay(graph, 100) for _ in range(3))
+    replay = decode_replay_at(runner, ROWS, LONG, 100, reps=3)
     floor = decode_floor_us(layer, ROWS, LONG)
-    kernels = profile_kernels(graph.replay)
+    kernels = profile_kernels(runner.graphs[ROWS].replay)
     return dict(replay_us=replay, floor=floor, x_floor=replay / floor["floor_us"], top_kernels=kernels.top)
 
 
