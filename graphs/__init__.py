@@ -18,7 +18,8 @@
   between them, each shared cache, index-key cache and top-k owned once; one step of all
   layers per ``forward``, one graph per bucket under :class:`StepRunner`.
 * :class:`PageAllocator` / :class:`PagePool` -- host-side pages of the caches' pools, as an
-  engine would own them.
+  engine would own them; :class:`PageChanges` -- a step's block-table changes, host to
+  device.
 * :class:`LayerStep` / :class:`StepRunner` -- the step as one module; compile, capture one
   CUDA graph per token bucket, pad, replay; larger steps compiled without a graph.
 * Configs: :class:`AttentionConfig`, :class:`CacheConfig`, presets :data:`V41_FLASH`,
@@ -34,7 +35,7 @@ from graphs.fp8 import Fp8Linear
 from graphs.config import (PRESETS, TINY, TINY_V41, V4_FLASH, V4_PRO, V41_CACHE_FORMATS, V41_FLASH, AttentionConfig,
                            CacheConfig)
 from graphs.memory import buffer_bytes
-from graphs.metadata import Geometry, StepInputs, StepMetadata, StepRows, step_inputs
+from graphs.metadata import Geometry, PageChanges, StepInputs, StepMetadata, StepRows, step_inputs
 from graphs.pages import PageAllocator, PagePool
 from graphs.plan import V41_FLASH_PLAN, LayerPlan, LayerRole
 from graphs.stack import DSV41Stack
@@ -55,6 +56,7 @@ __all__ = [
     "LayerStep",
     "PRESETS",
     "PageAllocator",
+    "PageChanges",
     "PagePool",
     "RMSNorm",
     "Shared",

@@ -73,7 +73,7 @@ def grow_rows(runner: StepRunner, rows, length: int) -> None:
     for r in rows:
         runner.release(r)
         runner.pages.grow(r, length)
-    runner.meta.apply_pages(*runner.pages.take_changes())
+    runner.meta.apply_pages(runner.pages.take_changes())
 
 
 def _sync(device) -> None:
@@ -195,7 +195,7 @@ def time_step_overhead(runner: StepRunner, batch: int, position: int, *, steps: 
             runner.release(r)
         for r in range(batch):
             runner.pages.grow(r, int(start[r]))
-        runner.meta.apply_pages(*runner.pages.take_changes())
+        runner.meta.apply_pages(runner.pages.take_changes())
         for i in range(warmup):
             runner.step(x, start + i, req)
         positions = [start + warmup + i for i in range(steps)]

@@ -175,8 +175,33 @@ def derive(inp: StepInputs, geometry: Geometry) -> StepInputs:
     return inp._replace(rows=rows, swa_idx=swa_idx, swa_lens=swa_lens)
 
 
-PageChanges = tuple[Tensor, Tensor, Tensor]
-"""``(rows, columns, pages)``: int32 ``[n]`` each, block-table entries to set (``-1`` frees)."""
+TableLayout = tuple[tuple[Union[str, int], int, int], ...]
+"""The block tables of a step, as one flat int32 store: ``(kind, rows, columns)`` per table,
+one after another, each row-major: ``("swa", R, Bs)`` first, then ``(ratio, R, Bc)`` per
+compressed ratio, ascending (:func:`table_layout`)."""
+
+
+def table_layout(requests: int, swa_columns: int, cmp_columns: dict[int, int]) -> TableLayout:
+    """The :data:`TableLayout` of an SWA table of ``swa_columns`` and a compressed table of
+    ``cmp_columns[ratio]`` columns per (nonzero) ratio, ``requests`` rows each."""
+    return (("swa", requests, swa_columns), *((r, requests, cmp_columns[r]) for r in sorted(cmp_columns)))
+
+
+class PageChanges(NamedTuple):
+    """Block-table entries to set: what :meth:`graphs.PageAllocator.take_changes` gives and
+    :meth:`StepMetadata.apply_pages` takes.
+
+    Attributes:
+        index: ``[n]`` int64 flat index of each entry in the tables laid out as ``tables``
+            (``offset of its table + row * columns + column``); each entry at most once.
+        pages: ``[n]`` int32 page of each entry (``-1`` frees it).
+        tables: the :data:`TableLayout` ``index`` counts in (a metadata refuses changes of
+            another layout).
+    """
+
+    index: Tensor
+    pages: Tensor
+    tables: TableLayout
 
 
 class StepMetadata(nn.Module):
@@ -185,9 +210,11 @@ class StepMetadata(nn.Module):
 
     Buffers (non-persistent, on the layer's device): ``ints [2, max_tokens]`` int32 holding
     positions / token_to_req (one buffer so an engine can fill it with one copy),
-    ``swa_block_table [R, Bs]``, the SWA slot mapping ``swa_slots [max_tokens]``, and per
-    compressed ratio ``r`` of the geometries ``cmp_block_table_{r} [R, Bc]`` and
-    ``cmp_slots_{r} [max_tokens]`` (tables ``-1`` until pages are given).
+    ``block_tables``: every block table in one int32 store laid out as :attr:`tables`
+    (``-1`` until pages are given; :attr:`swa_block_table` ``[R, Bs]`` and
+    :meth:`cmp_table_of` ``(r)`` ``[R, Bc]`` are views of it), the SWA slot mapping
+    ``swa_slots [max_tokens]`` and per compressed ratio ``r`` of the geometries
+    ``cmp_slots_{r} [max_tokens]``.
     :attr:`cmp_block_table` / :attr:`cmp_slots` are those of a one-geometry (one-layer)
     metadata. A step of ``T`` tokens reads the first ``T`` columns; ``T`` comes from the
     hidden states' shape. Every geometry's step inputs are derived once per step
@@ -220,19 +247,21 @@ class StepMetadata(nn.Module):
         self.register_buffer("ints", ints, persistent=False)
         R = first.max_requests
 
-        def table(cols):
-            return torch.full((R, cols), -1, dtype=torch.int32, device=device)
+        # every block table in one store: a step's changes to all of them are one put_
+        self.tables = table_layout(R, first.swa_columns, {g.ratio: g.cmp_columns for g in geometries if g.ratio})
+        self._table_at, at = {}, 0
+        for kind, rows, cols in self.tables:
+            self._table_at[kind] = (at, cols)
+            at += rows * cols
+        self.register_buffer("block_tables", torch.full((at,), -1, dtype=torch.int32, device=device), persistent=False)
 
         def slots():
             return torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
 
-        self.register_buffer("swa_block_table", table(first.swa_columns), persistent=False)
         self.register_buffer("swa_slots", slots(), persistent=False)
         for g in geometries:
             if g.ratio:
-                self.register_buffer(f"cmp_block_table_{g.ratio}", table(g.cmp_columns), persistent=False)
                 self.register_buffer(f"cmp_slots_{g.ratio}", slots(), persistent=False)
-        self.register_buffer("no_cmp_block_table", table(0), persistent=False)  # a ratio-0 geometry's
 
     @classmethod
     def for_layer(cls, layer, max_tokens: Optional[int] = None) -> "StepMetadata":
@@ -240,9 +269,23 @@ class StepMetadata(nn.Module):
         a :class:`graphs.DSV41Stack`: one geometry per ratio), block tables empty (``-1``)."""
         return cls(max_tokens or layer.cache_cfg.max_tokens, layer.geometries(), layer.device)
 
+    def _table(self, kind: Union[str, int]) -> Tensor:
+        """Table ``kind`` of :attr:`tables`: a view ``[R, columns]`` of :attr:`block_tables`."""
+        at, cols = self._table_at[kind]
+        R = self.tables[0][1]
+        return self.block_tables[at:at + R * cols].view(R, cols)
+
+    @property
+    def swa_block_table(self) -> Tensor:
+        """The SWA block table ``[R, Bs]`` (a view of :attr:`block_tables`)."""
+        return self._table("swa")
+
     def cmp_table_of(self, ratio: int) -> Tensor:
-        """Ratio ``ratio``'s compressed block table ``[R, Bc]`` (``[R, 0]`` for ratio 0)."""
-        return getattr(self, f"cmp_block_table_{ratio}") if ratio else self.no_cmp_block_table
+        """Ratio ``ratio``'s compressed block table ``[R, Bc]`` (a view of
+        :attr:`block_tables`; ``[R, 0]`` for ratio 0)."""
+        if not ratio:
+            return self.block_tables[:0].view(self.tables[0][1], 0)
+        return self._table(ratio)
 
     @property
     def only(self) -> Geometry:
@@ -305,52 +348,54 @@ class StepMetadata(nn.Module):
                              f"{staged.dtype} {list(staged.shape)}")
         self.ints.copy_(staged, non_blocking=True)
 
-    def apply_pages(self, swa: Optional[PageChanges] = None,
-                    cmp: Union[None, PageChanges, dict[int, Optional[PageChanges]]] = None, *,
-                    staging: Optional[Tensor] = None) -> None:
-        """Set block-table entries (host ``PageChanges`` of :meth:`graphs.PageAllocator.take_changes`:
-        ``cmp`` one table's, or ``{ratio: changes}``; ``None`` or empty: nothing to set).
+    def apply_pages(self, changes: Optional[PageChanges], *, staging: Optional[Tensor] = None) -> None:
+        """Set the block-table entries of ``changes`` (host :class:`PageChanges`, as
+        :meth:`graphs.PageAllocator.take_changes` gives them; ``None``: nothing to set).
 
-        Host changes of all tables travel as one buffer of flat table indices (int64) and
-        pages, in one ``non_blocking`` copy, and each table takes one ``put_``: a change
-        step costs a few host calls, not a few per table and tensor. ``staging``: a 1-D
-        int32 host buffer (pinned, for a CUDA layer) that no pending copy still reads, to
-        pack the changes into when they fit (:class:`graphs.StepRunner` passes one of its
-        staging ring's); else the changes go in a new buffer (a new pinned buffer costs
-        about 100 us of host time)."""
-        if swa is None and (cmp is None or isinstance(cmp, dict) and not any(c is not None for c in cmp.values())):
-            return  # most decode steps change no table
-        if not isinstance(cmp, dict):
-            cmp = {self.only.ratio: cmp} if cmp is not None else {}
-        work = [(table, changes) for table, changes in
-                ((self.swa_block_table, swa), *((self.cmp_table_of(r), c) for r, c in cmp.items()))
-                if changes is not None and changes[0].numel()]
-        if not work:
+        The flat indices (int64) and pages travel packed in one host buffer, in one
+        ``non_blocking`` copy, and :attr:`block_tables` takes one ``put_``: a step's
+        changes to every table cost a few host calls. ``staging``: a 1-D int32 host buffer
+        (pinned, for a CUDA layer) that no pending copy still reads, to pack the changes
+        into when they fit (:class:`graphs.StepRunner` passes one of its staging ring's);
+        else they go in a new buffer (a new pinned buffer costs about 100 us of host
+        time). Raises ``ValueError`` for changes of another table layout, off the host,
+        of other dtypes or indices outside the tables (which the device would write out of
+        bounds)."""
+        if changes is None:  # most decode steps change no table
             return
-        if not all(c.is_cpu and c.dtype == torch.int32 for _, changes in work for c in changes):
-            raise ValueError("apply_pages takes host (CPU) int32 changes, as PageAllocator.take_changes gives them")
-        device = self.swa_block_table.device
-        # per table: its flat indices as int64 words (two int32 each, native byte order, as
-        # the device reads them: an int32 index costs a conversion kernel), its pages, and a
-        # pad word keeping the next table's indices 8-byte aligned
-        words = sum(3 * c[0].numel() + c[0].numel() % 2 for _, c in work)
-        if staging is not None and staging.numel() >= words:
-            host = staging[:words]
+        if not isinstance(changes, PageChanges):
+            raise TypeError(f"apply_pages takes PageChanges (PageAllocator.take_changes), got {type(changes).__name__}")
+        index, pages, tables = changes
+        if tables != self.tables:
+            raise ValueError(f"these page changes index block tables laid out as {tables}, this metadata's are "
+                             f"{self.tables}: plan with PageAllocator.for_layer of the same layer")
+        if not (isinstance(index, Tensor) and isinstance(pages, Tensor) and index.is_cpu and pages.is_cpu
+                and index.dtype == torch.int64 and pages.dtype == torch.int32 and index.dim() == 1
+                and pages.shape == index.shape):
+            raise ValueError("apply_pages takes host (CPU) changes, [n] int64 indices and [n] int32 pages, "
+                             "as PageAllocator.take_changes gives them")
+        k = index.shape[0]
+        if not k:
+            return
+        flat = index.numpy()
+        if np.count_nonzero(flat.view(np.uint64) >= self.block_tables.shape[0]):  # a negative one reads as huge
+            bad = int(flat[(flat < 0) | (flat >= self.block_tables.shape[0])][0])
+            raise ValueError(f"page change index {bad} is outside the block tables' {self.block_tables.shape[0]} entries")
+        if staging is not None and (not isinstance(staging, Tensor) or not staging.is_cpu or staging.dim() != 1
+                                    or staging.dtype != torch.int32):
+            raise ValueError("staging must be a 1-D int32 host (CPU) tensor")
+        device = self.block_tables.device
+        # the indices as int64 words (two int32 each, native byte order, as the device reads
+        # them: an int32 index costs a conversion kernel), then the pages
+        if staging is not None and staging.shape[0] >= 3 * k:
+            host = staging[:3 * k]
         else:
-            host = torch.empty(words, dtype=torch.int32, pin_memory=device.type == "cuda")
-        packed, at = host.numpy(), 0
-        for table, (rows, cols, pages) in work:
-            k = rows.numel()
-            flat = packed[at:at + 2 * k].view(np.int64)
-            np.multiply(rows.numpy(), table.shape[1], out=flat, dtype=np.int64)  # (no int32 temporary)
-            np.add(flat, cols.numpy(), out=flat)
-            packed[at + 2 * k:at + 3 * k] = pages.numpy()
-            at += 3 * k + k % 2
-        moved, at = host.to(device, non_blocking=True), 0
-        for table, (rows, _, _) in work:
-            k = rows.numel()
-            table.put_(moved[at:at + 2 * k].view(torch.int64), moved[at + 2 * k:at + 3 * k])  # flat indices
-            at += 3 * k + k % 2
+            host = torch.empty(3 * k, dtype=torch.int32, pin_memory=device.type == "cuda")
+        packed = host.numpy()
+        packed[:2 * k].view(np.int64)[:] = flat
+        packed[2 * k:] = pages.numpy()
+        moved = host.to(device, non_blocking=True)
+        self.block_tables.put_(moved[:2 * k].view(torch.int64), moved[2 * k:])
 
     def inputs(self, num_tokens: int, ratio: Optional[int] = None) -> StepInputs:
         """:class:`StepInputs` of the first ``num_tokens`` columns for geometry ``ratio``

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from graphs.config import CacheConfig
-from graphs.metadata import PageChanges
+from graphs.metadata import PageChanges, table_layout
 
 # Steps of at most this many tokens are planned on Python ints, token by token: the array
 # path's few dozen numpy calls cost a microsecond or more each, and a loop over this many
@@ -85,13 +85,18 @@ class PageAllocator:
                  generator: Optional[torch.Generator] = None) -> None:
         R = cache.max_requests
         self.ratios = tuple(r for r in ((ratio,) if isinstance(ratio, int) else tuple(ratio)) if r)
-        self.single = isinstance(ratio, int)  # take_changes / cmp_table: one table, not a dict
         self.cache, self.window, self.rank = cache, window, rank
         # host block tables and per-row state as numpy arrays: a step updates all its
         # requests in a few array operations (a Python loop per request cost microseconds
         # each on the host path of every step); kind "swa" or a compressed ratio -> table
-        self._tables = {"swa": np.full((R, cache.swa_table_columns()), -1, np.int32),
-                        **{r: np.full((R, cache.cmp_pages_per_request(r)), -1, np.int32) for r in self.ratios}}
+        self.tables = table_layout(R, cache.swa_table_columns(), {r: cache.cmp_pages_per_request(r) for r in self.ratios})
+        """The :data:`graphs.metadata.TableLayout` of the block tables: as a
+        :class:`graphs.StepMetadata` of the same layer lays them out."""
+        self._store = np.full(sum(rows * cols for _, rows, cols in self.tables), -1, np.int32)
+        self._tables, self._table_at, at = {}, {}, 0  # kind -> view [R, columns] of the store, its offset
+        for kind, rows, cols in self.tables:
+            self._tables[kind], self._table_at[kind] = self._store[at:at + rows * cols].reshape(rows, cols), at
+            at += rows * cols
         self._pools = {"swa": PagePool(cache.swa_num_pages(window), "swa", generator),
                        **{r: PagePool(cache.cmp_num_pages(r), "cmp", generator) for r in self.ratios}}
         self.swa_pool = self._pools["swa"]
@@ -99,10 +104,15 @@ class PageAllocator:
         self._high = np.full(R, -1, np.int64)
         self._swa_low = np.zeros(R, np.int64)  # lowest SWA column a row may still hold
         self._given = {r: np.zeros(R, np.int64) for r in self.ratios}  # compressed columns given (a prefix)
-        # (row, column) -> page of the entries changed since take_changes, the last change
-        # of an entry winning (one index_put_ of duplicate indices would pick either)
-        self._changes: dict = {kind: {} for kind in self._tables}
-        self._touched: list[int] | np.ndarray = []  # the last planned step's rows, for trim()
+        # flat store index -> page of the entries changed since take_changes, the last
+        # change of an entry winning (one put_ of duplicate indices would pick either)
+        self._changes: dict[int, int] = {}
+        # the end (exclusive) up to which a row's runs take and give back no page: before
+        # its next SWA page, its next compressed page and the next SWA page a trim gives
+        # back, set when the row last took pages (as trim() leaves it). A run that ends
+        # there only moves the row's length; 0: the row's next run searches
+        self._settled_to = np.zeros(R, np.int64)
+        self._touched: list[int] | np.ndarray = []  # the last planned step's rows that moved a page, for trim()
 
     @property
     def length(self) -> list[int]:
@@ -201,12 +211,28 @@ class PageAllocator:
             if len(few[0]) != len(few[1]):
                 raise ValueError(f"positions and token_to_req differ in length ({len(few[0])} vs {len(few[1])})")
             runs = self._few_runs(*few)
-            self._give_few(runs)
-            self._touched = [r for r, _, _ in runs]
+            settled_to = self._settled_to
+            moving = [run for run in runs if run[1] + run[2] > settled_to[run[0]]]
+            if moving:
+                self._give_few(moving)
+            for r, p, c in runs:
+                self._length[r] = p + c
+                self._high[r] = max(int(self._high[r]), p + c - 1)
+            self._touched = [r for r, _, _ in moving]
             return
         rows, p0, n = self._runs(positions, token_to_req)
-        self._give_runs(rows, np.maximum(p0 - self.window + 1, 0), p0 + n)
-        self._touched = rows
+        end = p0 + n
+        moving = end > self._settled_to[rows]
+        self._touched = []
+        if np.count_nonzero(moving):
+            rows_m, p0_m, end_m = rows[moving], p0[moving], end[moving]
+            if rows_m.size <= FEW_TOKENS:
+                self._give_few(list(zip(rows_m.tolist(), p0_m.tolist(), (end_m - p0_m).tolist())))
+            else:
+                self._give_runs(rows_m, np.maximum(p0_m - self.window + 1, 0), end_m)
+            self._touched = rows_m
+        self._length[rows] = end
+        self._high[rows] = np.maximum(self._high[rows], end - 1)
 
     def grow(self, row: int, length: int) -> None:
         """Give ``row`` the pages of a request that already holds ``length`` tokens (SWA:
@@ -219,21 +245,28 @@ class PageAllocator:
             raise ValueError(f"row {row} already holds a request: release() it first")
         low = max(0, length - 1 - self.cache.swa_keep(self.window))
         self._give_runs(np.array([row]), np.array([low]), np.array([length]))
+        self._length[row], self._high[row] = length, length - 1
         self._swa_low[row] = low // self.cache.page_size
 
     def _give_runs(self, rows: np.ndarray, swa_from: np.ndarray, end: np.ndarray) -> None:
         """Rows ``rows`` (distinct) get the SWA pages of positions ``swa_from .. end - 1`` and
-        the compressed pages of their first ``end`` positions' entries; their length becomes
-        ``end``. A pool short of pages raises ``RuntimeError`` before anything changes.
+        the compressed pages of their first ``end`` positions' entries (their lengths are
+        the caller's to set). A pool short of pages raises ``RuntimeError`` before anything
+        changes.
 
         A row's SWA pages are columns ``swa_low .. high // page_size`` and its compressed
         pages columns ``0 .. given - 1`` (pages are given as positions advance and taken
         back from the bottom), so only rows whose range leaves those can need a page: the
         array tests find them, and only they are walked column by column."""
-        ps = self.cache.page_size
+        ps, keep = self.cache.page_size, self.cache.swa_keep(self.window)
         lo, hi = swa_from // ps, (end - 1) // ps
-        high = self._high[rows]
-        may_need = (lo < self._swa_low[rows]) | (hi > high // ps)  # -1 // ps: no page yet
+        high, swa_low = self._high[rows], self._swa_low[rows]
+        may_need = (lo < swa_low) | (hi > high // ps)  # -1 // ps: no page yet
+        # settled_to, as trim() leaves the rows: the next SWA page past the highest position,
+        # the next one trim gives back, the max length; each ratio's next compressed page below
+        high = np.maximum(high, end - 1)
+        low = np.maximum(swa_low, np.maximum(high - keep, 0) // ps)
+        to = np.minimum(np.minimum((high // ps + 1) * ps, (low + 1) * ps + keep), self.cache.max_seq_len)
         wanted, grown = {"swa": []}, {}
         if np.count_nonzero(may_need):
             wanted["swa"] = self._missing("swa", rows[may_need].tolist(), lo[may_need].tolist(), (hi[may_need] + 1).tolist())
@@ -249,18 +282,22 @@ class PageAllocator:
             if np.count_nonzero(more):
                 wanted[ratio] = self._missing(ratio, rows[more].tolist(), given[more].tolist(), need[more].tolist())
                 grown[ratio] = rows[more], need[more]
+            to = np.minimum(to, self._first_cmp_end(ratio, np.maximum(given, need)))
         self._take(wanted, grown)
-        self._length[rows] = end
-        self._high[rows] = np.maximum(high, end - 1)
+        self._settled_to[rows] = to
 
     def _give_few(self, runs: list[tuple[int, int, int]]) -> None:
         """:meth:`_give_runs` of :meth:`_few_runs`' ``(row, first position, tokens)``, on Python ints."""
-        ps, wanted, grown = self.cache.page_size, {"swa": [], **{ratio: [] for ratio in self.ratios}}, {}
+        ps, keep = self.cache.page_size, self.cache.swa_keep(self.window)
+        wanted, grown, settled = {"swa": [], **{ratio: [] for ratio in self.ratios}}, {}, []
         for r, p, c in runs:
-            end, high = p + c, int(self._high[r])
+            end, high, swa_low = p + c, int(self._high[r]), int(self._swa_low[r])
             lo, hi = max(p - self.window + 1, 0) // ps, (end - 1) // ps
-            if lo < self._swa_low[r] or hi > high // ps:  # -1 // ps: no page yet
+            if lo < swa_low or hi > high // ps:  # -1 // ps: no page yet
                 wanted["swa"] += self._missing("swa", [r], [lo], [hi + 1])
+            high = max(high, end - 1)
+            low = max(swa_low, max(high - keep, 0) // ps)
+            to = min((high // ps + 1) * ps, (low + 1) * ps + keep, self.cache.max_seq_len)
             for ratio in self.ratios:
                 entries = end // ratio
                 if self.cache.dcp_world > 1:  # this rank's share
@@ -271,10 +308,19 @@ class PageAllocator:
                     grown.setdefault(ratio, ([], []))
                     grown[ratio][0].append(r)
                     grown[ratio][1].append(need)
+                to = min(to, self._first_cmp_end(ratio, max(given, need)))
+            settled.append(to)
         self._take(wanted, grown)
-        for r, p, c in runs:
-            self._length[r] = p + c
-            self._high[r] = max(int(self._high[r]), p + c - 1)
+        for (r, _, _), to in zip(runs, settled):
+            self._settled_to[r] = to
+
+    def _first_cmp_end(self, ratio: int, given):
+        """The end (exclusive) of the first run that needs a compressed page of ``ratio``
+        past ``given`` (ints or arrays): the first entry this rank holds past those pages'
+        ``m`` entries is global entry ``g``, closed by position ``(g + 1) * ratio - 1``."""
+        m, leave = given * self.cache.block_size(ratio), self.cache.dcp_interleave
+        g = m // leave * (self.cache.dcp_world * leave) + self.rank * leave + m % leave
+        return (g + 1) * ratio - 1
 
     def _take(self, wanted: dict, grown: dict) -> None:
         """Give each ``(row, column)`` of ``wanted[kind]`` a page of pool ``kind`` and set
@@ -285,9 +331,9 @@ class PageAllocator:
                 self._pools[kind].take_many(len(entries))  # raises: the pool is short
         for kind, entries in wanted.items():
             if entries:
-                table, changes = self._tables[kind], self._changes[kind]
+                at, cols, changes = self._table_at[kind], self._tables[kind].shape[1], self._changes
                 for (r, col), page in zip(entries, self._pools[kind].take_many(len(entries))):
-                    table[r, col] = changes[r, col] = page
+                    self._store[at + r * cols + col] = changes[at + r * cols + col] = page
         for ratio, (at, need) in grown.items():
             self._given[ratio][at] = need
 
@@ -296,26 +342,29 @@ class PageAllocator:
         reads (call it once that step is launched: later work reuses them in stream order)."""
         rows, keep, ps = self._touched, self.cache.swa_keep(self.window), self.cache.page_size
         self._touched = []
+        if not len(rows):  # no row took a page: none has one to give back
+            return
         if isinstance(rows, list):  # a step of few tokens
             for r in rows:
                 low, old = max(int(self._high[r]) - keep, 0) // ps, int(self._swa_low[r])
                 if low > old:
                     self._give_back_swa(r, old, low)
-            return
-        low = np.maximum(self._high[rows] - keep, 0) // ps
-        old = self._swa_low[rows]
-        up = low > old
-        if np.count_nonzero(up):
-            for r, start, stop in zip(rows[up].tolist(), old[up].tolist(), low[up].tolist()):
-                self._give_back_swa(r, start, stop)
+        else:
+            low = np.maximum(self._high[rows] - keep, 0) // ps
+            old = self._swa_low[rows]
+            up = low > old
+            if np.count_nonzero(up):
+                for r, start, stop in zip(rows[up].tolist(), old[up].tolist(), low[up].tolist()):
+                    self._give_back_swa(r, start, stop)
 
     def _give_back_swa(self, r: int, start: int, stop: int) -> None:
         """Row ``r`` gives back its SWA pages of columns ``start .. stop - 1``; ``stop`` is its new lowest column."""
-        table, changes = self._tables["swa"], self._changes["swa"]
-        for col in range(start, stop):
-            if table[r, col] >= 0:
-                self.swa_pool.give(int(table[r, col]))
-                table[r, col] = changes[r, col] = -1
+        at = self._table_at["swa"] + r * self._tables["swa"].shape[1]
+        store, changes = self._store, self._changes
+        for i in range(at + start, at + stop):
+            if store[i] >= 0:
+                self.swa_pool.give(int(store[i]))
+                store[i] = changes[i] = -1
         self._swa_low[r] = stop
 
     def release(self, row: int) -> None:
@@ -324,29 +373,24 @@ class PageAllocator:
             raise ValueError(f"row must be a request row in 0..{len(self._length) - 1} (CacheConfig.max_requests), "
                              f"got {row!r}")
         for kind, table in self._tables.items():
+            at = self._table_at[kind] + row * table.shape[1]
             for col in np.flatnonzero(table[row] >= 0).tolist():
                 self._pools[kind].give(int(table[row, col]))
-                table[row, col] = self._changes[kind][row, col] = -1
-        self._length[row], self._high[row], self._swa_low[row] = 0, -1, 0
+                table[row, col] = self._changes[at + col] = -1
+        self._length[row], self._high[row], self._swa_low[row], self._settled_to[row] = 0, -1, 0, 0
         for given in self._given.values():
             given[row] = 0
 
-    def take_changes(self):
-        """``(swa, cmp)`` block-table changes since the last call, for
-        :meth:`graphs.StepMetadata.apply_pages` (``None`` where nothing changed); ``cmp`` is
-        ``{ratio: changes}`` for an allocator of several ratios."""
-        if not any(self._changes.values()):  # most decode steps
-            return None, (None if self.single else dict.fromkeys(self.ratios))
-        out = {}
-        for kind, entries in self._changes.items():
-            out[kind] = None
-            if entries:
-                rows, cols = zip(*entries)
-                # from numpy: torch.tensor of a short list costs a few times more host time
-                out[kind] = tuple(torch.from_numpy(np.array(v, np.int32)) for v in (rows, cols, list(entries.values())))
-            self._changes[kind] = {}
-        cmp = {r: out[r] for r in self.ratios}
-        return out["swa"], (next(iter(cmp.values()), None) if self.single else cmp)
+    def take_changes(self) -> Optional[PageChanges]:
+        """The block-table changes since the last call, for
+        :meth:`graphs.StepMetadata.apply_pages` (``None``: nothing changed, as in most
+        decode steps)."""
+        if not self._changes:
+            return None
+        changes, self._changes = self._changes, {}
+        k = len(changes)
+        return PageChanges(torch.from_numpy(np.fromiter(changes.keys(), np.int64, k)),
+                           torch.from_numpy(np.fromiter(changes.values(), np.int32, k)), self.tables)
 
     def pages_held(self) -> tuple[int, int]:
         """``(SWA, compressed)`` pages in use (compressed: of every ratio)."""

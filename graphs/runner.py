@@ -242,7 +242,7 @@ class StepRunner:
             self.trace()
         self.pages.plan(positions, token_to_req)
         turn = self._next_turn()
-        self.meta.apply_pages(*self.pages.take_changes(), staging=self._staged_pages[turn])
+        self.meta.apply_pages(self.pages.take_changes(), staging=self._staged_pages[turn])
         self._stage(turn, size, positions, token_to_req)
         if x is not self._x_rows.get(n):  # not the hidden states written in place (input())
             self.input(n).copy_(x, non_blocking=True)

@@ -47,7 +47,7 @@ def grown_meta(layer, rows: int, length: int):
     pages = PageAllocator.for_layer(layer)
     for r in range(rows):
         pages.grow(r, length)
-    meta.apply_pages(*pages.take_changes())
+    meta.apply_pages(pages.take_changes())
     return meta
 
 

@@ -6,7 +6,7 @@ import torch
 import compile_ops
 from compile_ops.formats import new_cache
 from compile_ops.indexer.cache import new_index_cache
-from graphs import TINY, CacheConfig, DSV41Attention, StepMetadata, StepRunner
+from graphs import TINY, CacheConfig, DSV41Attention, PageAllocator, PageChanges, StepMetadata, StepRunner
 
 pytestmark = pytest.mark.quick  # the quick subset: python -m pytest -m quick
 
@@ -75,6 +75,12 @@ def metadata_apply_pages(**kwargs):
     return StepMetadata.for_layer(DSV41Attention(TINY, CacheConfig(4, 8, 32, 4), 2)).apply_pages(**kwargs)
 
 
+def page_changes(index, pages, ratio=2):
+    """:class:`PageChanges` in the block-table layout of ``metadata_apply_pages``' layer (of ``ratio``)."""
+    tables = PageAllocator(CacheConfig(4, 8, 32, 4), ratio, TINY.window_size).tables
+    return PageChanges(torch.tensor(index), torch.tensor(pages, dtype=i32), tables)
+
+
 def x(*shape):
     return torch.randn(*shape).bfloat16()
 
@@ -113,7 +119,11 @@ CASES = [
     ("lse_combine-int-out", compile_ops.lse_combine, dict(partial_out=torch.zeros(2, 3, 4, 8, dtype=i32), partial_lse=torch.zeros(2, 3, 4)), TypeError, ["partial_out", "int32"]),
     ("dcp_combine-no-group", compile_ops.dcp_combine, dict(out=torch.zeros(3, 4, 8), lse=torch.zeros(3, 4), group_name="nope"), ValueError, ["group_name", "nope"]),
     # the serving entry points (graphs): every one names the argument and the expected value
-    ("apply_pages-int64", metadata_apply_pages, dict(swa=(torch.zeros(1, dtype=torch.int64),) * 3), ValueError, ["host", "int32", "take_changes"]),
+    ("apply_pages-tuple", metadata_apply_pages, dict(changes=(torch.zeros(1, dtype=torch.int64),) * 3), TypeError, ["PageChanges", "take_changes", "tuple"]),
+    ("apply_pages-int32-index", metadata_apply_pages, dict(changes=page_changes([0], [1])._replace(index=torch.zeros(1, dtype=i32))), ValueError, ["host", "int64", "take_changes"]),
+    ("apply_pages-other-layout", metadata_apply_pages, dict(changes=page_changes([0], [1], ratio=4)), ValueError, ["laid out", "for_layer"]),
+    ("apply_pages-index-past-tables", metadata_apply_pages, dict(changes=page_changes([0, 10**6], [1, 2])), ValueError, ["1000000", "outside"]),
+    ("apply_pages-negative-index", metadata_apply_pages, dict(changes=page_changes([-1], [1])), ValueError, ["-1", "outside"]),
     ("step-x-hidden-size", runner_call("step"), dict(x=x(2, 65), positions=[0, 1], token_to_req=[0, 0]), ValueError, ["x", "dim = 64", "(2, 65)"]),
     ("step-x-1d", runner_call("step"), dict(x=x(64), positions=[0], token_to_req=[0]), ValueError, ["x", "[n, dim = 64]", "(64,)"]),
     ("step-positions-float", runner_call("step"), dict(x=x(2, 64), positions=torch.tensor([0.0, 1.5]), token_to_req=[0, 0]), TypeError, ["positions", "integer", "float32"]),

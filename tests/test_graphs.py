@@ -284,7 +284,7 @@ def test_padding_rows_write_nothing():
     pages = PageAllocator.for_layer(layer, generator=torch.Generator().manual_seed(7))
     pages.grow(1, 5)
     pages.plan(i32(5), i32(1))
-    meta.apply_pages(*pages.take_changes())
+    meta.apply_pages(pages.take_changes())
     with torch.no_grad():
         before = {k: v.clone() for k, v in layer.named_buffers()}
         meta.update(i32(5), i32(1), bucket=4)  # one valid token (closes group 2), three padding rows
@@ -517,14 +517,15 @@ def test_pages_held_follow_each_rows_positions(ratio, world, seed, steps):
 
 
 @settings(deadline=None, max_examples=examples(0.5))
-@given(ratio=st.sampled_from([0, 2, 4]), world=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
+@given(ratio=st.sampled_from([0, 2, 4, (2, 4)]), world=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
        steps=st.integers(1, 40))
-def test_few_token_steps_plan_as_the_array_path_does(ratio, world, seed, steps):
-    """Steps of at most ``FEW_TOKENS`` tokens are planned on Python ints: random steps,
-    bad ones included (rows out of range, gaps, a request in two runs, rewinds past
-    ``max_rewind``, starts past a row's length, a pool run dry), give the same error, the
-    same pages in the same table entries, the same changes and the same lengths as the
-    array path."""
+def test_few_token_and_settled_steps_plan_as_the_array_path_does(ratio, world, seed, steps):
+    """Steps of at most ``FEW_TOKENS`` tokens are planned on Python ints, and rows whose
+    run ends before their next page change skip the page search: random steps, bad ones
+    included (rows out of range, gaps, a request in two runs, rewinds past ``max_rewind``,
+    starts past a row's length, a pool run dry), give the same error, the same pages in
+    the same table entries, the same changes and the same lengths on Python ints, on
+    arrays, on the two mixed as by default, and on arrays with every row searched."""
     from unittest import mock
 
     import graphs.pages
@@ -532,8 +533,7 @@ def test_few_token_steps_plan_as_the_array_path_does(ratio, world, seed, steps):
     gen = random.Random(seed)
     cache = CacheConfig(3, 9, 64, 4, dcp_world=world)
     twins = [PageAllocator(cache, ratio, TINY.window_size, rank=world - 1, generator=torch.Generator().manual_seed(seed))
-             for _ in range(2)]
-    few_paths = 0
+             for _ in range(4)]
     for _ in range(steps):
         if gen.random() < 0.1:
             row = gen.randrange(3)
@@ -550,9 +550,12 @@ def test_few_token_steps_plan_as_the_array_path_does(ratio, world, seed, steps):
         if gen.random() < 0.15 and len(pos) > 1:  # a gap, a row out of range or a split request
             i = gen.randrange(len(pos))
             pos[i], req[i] = gen.choice([(pos[i] + 1, req[i]), (pos[i], 3), (pos[i], req[0])])
-        few_paths += len(pos) <= graphs.pages.FEW_TOKENS
         outcomes = []
-        for pages, few in zip(twins, (graphs.pages.FEW_TOKENS, 0)):
+        # Python ints throughout, arrays throughout, the default (the rows that move a page
+        # on Python ints), and arrays searching every row (none settled)
+        for pages, few in zip(twins, (len(pos), 0, graphs.pages.FEW_TOKENS, 0)):
+            if pages is twins[3]:
+                pages._settled_to[:] = 0
             with mock.patch.object(graphs.pages, "FEW_TOKENS", few):
                 try:
                     pages.plan(list(pos), torch.tensor(req, dtype=I32))
@@ -560,11 +563,11 @@ def test_few_token_steps_plan_as_the_array_path_does(ratio, world, seed, steps):
                 except (ValueError, RuntimeError) as e:
                     error = (type(e), str(e))
             pages.trim()
-            changes = [None if c is None else [t.tolist() for t in c] for c in pages.take_changes()]
-            outcomes.append((error, changes, pages.swa_table.tolist(), pages.cmp_table.tolist(), pages.length,
-                             pages.high, pages.pages_held()))
-        assert outcomes[0] == outcomes[1], (pos, req)
-    assert few_paths or steps < 4
+            changes = pages.take_changes()
+            changes = None if changes is None else (changes.index.tolist(), changes.pages.tolist())
+            outcomes.append((error, changes, pages.swa_table.tolist(), [pages.cmp_table_of(r).tolist() for r in pages.ratios],
+                             pages.length, pages.high, pages.pages_held()))
+        assert outcomes[0] == outcomes[1] == outcomes[2] == outcomes[3], (pos, req)
 
 
 def test_hidden_states_written_into_input_rows_step_as_a_copied_input():
@@ -589,10 +592,10 @@ def test_hidden_states_written_into_input_rows_step_as_a_copied_input():
 @given(seed=st.integers(0, 2**16), steps=st.integers(1, 12))
 def test_applied_page_changes_make_the_tables_the_allocators(seed, steps):
     """``apply_pages`` of a stack's changes (the SWA table and one compressed table per
-    ratio, odd and even numbers of changes, packed in one copy): after every step and
-    release the metadata's tables equal the allocator's host tables, whether the changes
-    are packed into a staging buffer they fit in (which then holds them) or one too small
-    (left alone: they go in a new buffer)."""
+    ratio, all in one store, packed in one copy): after every step and release the
+    metadata's tables equal the allocator's host tables, whether the changes are packed
+    into a staging buffer they fit in (which then holds them) or one too small (left
+    alone: they go in a new buffer)."""
     from graphs import DSV41Stack, LayerPlan
 
     gen = random.Random(seed)
@@ -609,10 +612,10 @@ def test_applied_page_changes_make_the_tables_the_allocators(seed, steps):
             if n:
                 pages.plan(list(range(pages.length[r], pages.length[r] + n)), [r] * n)
                 pages.trim()
-        swa, cmp = pages.take_changes()
-        words = sum(3 * c[0].numel() + c[0].numel() % 2 for c in [swa, *cmp.values()] if c is not None)
+        changes = pages.take_changes()
+        words = 0 if changes is None else 3 * changes.index.numel()
         staging.fill_(-7)
-        meta.apply_pages(swa, cmp, staging=staging)
+        meta.apply_pages(changes, staging=staging)
         assert bool((staging == -7).all()) == (words == 0 or words > staging.numel())
         assert torch.equal(meta.swa_block_table, pages.swa_table)
         for ratio in pages.ratios:
@@ -646,11 +649,10 @@ def test_page_changes_name_each_table_entry_once():
     pages.release(0)
     pages.plan(torch.arange(5, dtype=I32), torch.zeros(5, dtype=I32))
     meta = StepMetadata.for_layer(layer)
-    for changes, table, mirror in zip(pages.take_changes(), (meta.swa_block_table, meta.cmp_block_table),
-                                      (pages.swa_table, pages.cmp_table)):
-        rows, cols, new = changes
-        assert len(set(zip(rows.tolist(), cols.tolist()))) == len(rows)
-        table.index_put_((rows.long(), cols.long()), new)
+    index, new, _ = pages.take_changes()
+    assert len(set(index.tolist())) == len(index)
+    meta.block_tables.index_put_((index,), new)
+    for table, mirror in ((meta.swa_block_table, pages.swa_table), (meta.cmp_block_table, pages.cmp_table)):
         assert torch.equal(table[0], mirror[0])
 
 

@@ -130,7 +130,7 @@ def test_reduce_overhead_mode_matches_eager():
         def step(x, positions, rows):
             meta = module.meta if isinstance(module, LayerStep) else compiled._orig_mod.meta
             pages.plan(positions, rows)
-            meta.apply_pages(*pages.take_changes())
+            meta.apply_pages(pages.take_changes())
             meta.update(positions, rows, bucket=8)
             static_x[: x.shape[0]].copy_(x)
             out = module(static_x)[: x.shape[0]].clone()

@@ -70,7 +70,7 @@ def paged_meta(layer: DSV41Attention, length: int = STEPS + 1) -> StepMetadata:
     pages = PageAllocator.for_layer(layer)
     for r in range(layer.cache_cfg.max_requests):
         pages.grow(r, length)
-    meta.apply_pages(*pages.take_changes())
+    meta.apply_pages(pages.take_changes())
     return meta
 
 
