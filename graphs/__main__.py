@@ -477,9 +477,10 @@ def main(argv=None) -> int:
         plot(timed, args.plot,
              f"{first['config']} attention layer decode step at 1024 tokens, {torch.cuda.get_device_name(device)}")
         print(f"plot: {args.plot}")
-    planning = time_page_planning()
-    print("host page planning per decode step at 1024 tokens (V4.1-Flash serving geometry): "
-          + ", ".join(f"batch {r['batch']} {r['host_us']} us" for r in planning))
+    planning = time_page_planning() + time_page_planning(stagger=True)
+    print("host page work per decode step from 1024 tokens (V4.1-Flash serving geometry; staggered rows in brackets): "
+          + ", ".join(f"batch {a['batch']} {a['host_us']} ({b['host_us']}) us"
+                      for a, b in zip(planning[:len(planning) // 2], planning[len(planning) // 2:])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**results, "page_planning": planning}, f, indent=1)

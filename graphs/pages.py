@@ -104,6 +104,7 @@ class PageAllocator:
         self._high = np.full(R, -1, np.int64)
         self._swa_low = np.zeros(R, np.int64)  # lowest SWA column a row may still hold
         self._given = {r: np.zeros(R, np.int64) for r in self.ratios}  # compressed columns given (a prefix)
+        self._block_size = {r: cache.block_size(r) for r in self.ratios}
         # flat store index -> page of the entries changed since take_changes, the last
         # change of an entry winning (one put_ of duplicate indices would pick either)
         self._changes: dict[int, int] = {}
@@ -226,11 +227,13 @@ class PageAllocator:
         self._touched = []
         if np.count_nonzero(moving):
             rows_m, p0_m, end_m = rows[moving], p0[moving], end[moving]
-            if rows_m.size <= FEW_TOKENS:
-                self._give_few(list(zip(rows_m.tolist(), p0_m.tolist(), (end_m - p0_m).tolist())))
+            if rows_m.size <= FEW_TOKENS:  # (as most decode steps' are): on Python ints
+                moved = rows_m.tolist()
+                self._give_few(list(zip(moved, p0_m.tolist(), (end_m - p0_m).tolist())))
+                self._touched = moved
             else:
                 self._give_runs(rows_m, np.maximum(p0_m - self.window + 1, 0), end_m)
-            self._touched = rows_m
+                self._touched = rows_m
         self._length[rows] = end
         self._high[rows] = np.maximum(self._high[rows], end - 1)
 
@@ -275,7 +278,7 @@ class PageAllocator:
             if self.cache.dcp_world > 1:  # this rank's share
                 share = self.cache.local_entries
                 entries = np.fromiter((share(e, self.rank) for e in entries.tolist()), np.int64, entries.size)
-            need = -(-entries // self.cache.block_size(ratio))
+            need = -(-entries // self._block_size[ratio])
             given = self._given[ratio][rows]
             more = need > given
             wanted[ratio] = []
@@ -288,21 +291,20 @@ class PageAllocator:
 
     def _give_few(self, runs: list[tuple[int, int, int]]) -> None:
         """:meth:`_give_runs` of :meth:`_few_runs`' ``(row, first position, tokens)``, on Python ints."""
-        ps, keep = self.cache.page_size, self.cache.swa_keep(self.window)
+        ps, keep, window, max_seq_len = self.cache.page_size, self.cache.swa_keep(self.window), self.window, self.cache.max_seq_len
+        high_of, swa_low_of, dcp = self._high.item, self._swa_low.item, self.cache.dcp_world > 1
         wanted, grown, settled = {"swa": [], **{ratio: [] for ratio in self.ratios}}, {}, []
         for r, p, c in runs:
-            end, high, swa_low = p + c, int(self._high[r]), int(self._swa_low[r])
-            lo, hi = max(p - self.window + 1, 0) // ps, (end - 1) // ps
+            end, high, swa_low = p + c, high_of(r), swa_low_of(r)
+            lo, hi = max(p - window + 1, 0) // ps, (end - 1) // ps
             if lo < swa_low or hi > high // ps:  # -1 // ps: no page yet
                 wanted["swa"] += self._missing("swa", [r], [lo], [hi + 1])
             high = max(high, end - 1)
             low = max(swa_low, max(high - keep, 0) // ps)
-            to = min((high // ps + 1) * ps, (low + 1) * ps + keep, self.cache.max_seq_len)
+            to = min((high // ps + 1) * ps, (low + 1) * ps + keep, max_seq_len)
             for ratio in self.ratios:
-                entries = end // ratio
-                if self.cache.dcp_world > 1:  # this rank's share
-                    entries = self.cache.local_entries(entries, self.rank)
-                need, given = -(-entries // self.cache.block_size(ratio)), int(self._given[ratio][r])
+                entries = self.cache.local_entries(end // ratio, self.rank) if dcp else end // ratio  # this rank's share
+                need, given = -(-entries // self._block_size[ratio]), self._given[ratio].item(r)
                 if need > given:
                     wanted[ratio] += self._missing(ratio, [r], [given], [need])
                     grown.setdefault(ratio, ([], []))
@@ -318,7 +320,7 @@ class PageAllocator:
         """The end (exclusive) of the first run that needs a compressed page of ``ratio``
         past ``given`` (ints or arrays): the first entry this rank holds past those pages'
         ``m`` entries is global entry ``g``, closed by position ``(g + 1) * ratio - 1``."""
-        m, leave = given * self.cache.block_size(ratio), self.cache.dcp_interleave
+        m, leave = given * self._block_size[ratio], self.cache.dcp_interleave
         g = m // leave * (self.cache.dcp_world * leave) + self.rank * leave + m % leave
         return (g + 1) * ratio - 1
 

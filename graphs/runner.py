@@ -42,8 +42,8 @@ STAGING_DEPTH = 4
 host may plan this many steps ahead of the GPU before it waits for a buffer's copy."""
 PAGE_STAGING_WORDS = 4096
 """int32 words of each of the ring's buffers of block-table changes (three per changed
-entry: an int64 table index and a page), enough for 1300 changes a step; a step of more
-packs into a buffer of its own."""
+entry: an int64 index into :attr:`graphs.StepMetadata.block_tables` and a page), enough for
+1365 changes a step; a step of more packs into a buffer of its own."""
 
 
 class LayerStep(nn.Module):
