@@ -201,6 +201,54 @@ def test_interpreter_group_maxima_written_beside_the_scores(index_format, shard,
         assert torch.equal(maxima.best[t, :groups[t]], want.view(-1, 4).amax(1)), t
 
 
+@pytest.mark.parametrize("index_format", FORMATS)
+@pytest.mark.parametrize("tokens", [2, 4])
+@pytest.mark.parametrize("shard, grouped", [((0, 1, 1), False), ((0, 1, 1), True), ((1, 2, 2), True)],
+                         ids=["one-rank", "groups", "rank1-of-2-I2-groups"])
+def test_interpreter_token_blocks_equal_reference(index_format, tokens, shard, grouped, monkeypatch):
+    """A scores program of several tokens (a prefill step: runs of one request's tokens,
+    each seeing a few more entries than the one before, runs starting and ending inside a
+    block, padding and invalid rows between them) reads each run's keys once for its
+    tokens: the ids in either order, with and without candidate blocks, the candidate
+    blocks, and (``grouped``) the group maxima the top-k starts from are exactly the
+    reference's."""
+    pytest.importorskip("triton")
+    from compile_ops.indexer import triton as kernels
+    from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference
+
+    monkeypatch.setattr(kernels, "scores_tokens", lambda T, R, most: tokens)
+    if grouped:
+        monkeypatch.setattr(kernels, "TOPK_GROUPED_FROM", 1)
+        monkeypatch.setattr(kernels, "TOPK_GROUP", 4)
+        monkeypatch.setattr(kernels, "_group_max_kernel", None)  # a launch of it would fail
+    q, w, cache, table, _, _ = make_problem(index_format, 13, 3, 4, 5, 4, seed=tokens + shard[1], holes=2)
+    rows = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0, -1, 3, 2, 2, 9], dtype=i32)  # 9: no such row
+    n = torch.tensor([7, 8, 9, 13, 14, 15, 16, 17, 0, 30, 1, 2, 5], dtype=i32) * shard[1]
+    args = (q, w, cache, table, rows, n)
+    fmt = ops._check_topk(*args, 6, index_format)
+    blocks = ops._args(*args, 3, fmt, candidate_block=4, shard=shard)
+    want_blocks = indexer_candidates_reference(blocks)[0]
+    assert torch.equal(kernels.indexer_candidates_triton(blocks)[0], want_blocks)
+    for order in ("score", "id"):
+        for candidates in (None, want_blocks):
+            call = ops._args(*args, 6, fmt, candidates=candidates, candidate_block=4, shard=shard, order=order)
+            for got, want in zip(kernels.indexer_topk_triton(call), indexer_topk_reference(call)):
+                assert torch.equal(got, want), (order, candidates is not None)
+
+
+def test_scores_tokens_follow_the_step_shape():
+    """One token a program where a step may be all decode (no more tokens than request
+    rows) or its size is traced; else the least mean run of a request's tokens, a power of
+    two up to ``SCORES_TOKENS``."""
+    from compile_ops.indexer.triton import SCORES_TOKENS, scores_tokens
+
+    assert [scores_tokens(T, 256) for T in (1, 256, 257, 511, 512, 1024, 4096)] == [1, 1, 1, 1, 2, 4, SCORES_TOKENS]
+    assert scores_tokens(4096, 256, most=2) == 2
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert scores_tokens(ShapeEnv().create_unbacked_symint(), 256) == 1
+
+
 @pytest.mark.parametrize("index_format, page_size", [("bf16", 4), ("fp8", 4), ("fp8", 64)])
 @pytest.mark.parametrize("rank, world, interleave", [(0, 2, 1), (1, 2, 1), (1, 2, 4), (2, 3, 2)])
 def test_interpreter_dcp_shard_equals_reference(index_format, page_size, rank, world, interleave):

@@ -6,7 +6,8 @@ first show up on the device. Every top-k launch that :func:`compile_ops.indexer.
 makes for decode steps and prefill chunks (rows of 512 to 1M entries, V4.1's k = 512 and its
 2048 candidate blocks) is built, with the scores kernel of both index formats and the
 candidate kernels (``tests/scripts/sm90_build.py``, in a process of its own: the tests'
-process runs Triton in its interpreter).
+process runs Triton in its interpreter); the scores kernel also as a prefill step launches
+it, several tokens a program.
 """
 
 import json
@@ -46,15 +47,20 @@ def builds() -> dict:
                 types=dict(src_vals="*fp32", src_ids="*i32", n="*i32", n_src="*i32", cand_vals="*fp32",
                            cand_ids="*i32", ids="*i32", vals="*fp32", bound="*i32"))
     out = {}
-    # (a long row's scores write the top-k's group maxima too: the bulk-copied fp8 and the fp4 ones here)
+    # (a long row's scores write the top-k's group maxima too: the bulk-copied fp8 and the fp4 ones here;
+    # a prefill step's programs take several tokens, as many as scores_tokens allows)
     for fmt, restrict, bulk in (("fp8", False, False), ("fp8", True, False), ("bf16", False, False),
                                 ("fp8", False, True), ("fp8", True, True), ("fp4", False, False)):
         cache = "*bf16" if fmt == "bf16" else "*u8"
         keys = f"tensordesc<fp8e4nv[1, {kernels.BN}, 128]>" if bulk else cache
-        out[f"scores-{fmt}-{'restricted' if restrict else 'all'}{'-bulk' if bulk else ''}"] = dict(
-            scores, types={**scores["types"], "cache": cache, "keys": keys}, num_stages=kernels.SCORE_LAUNCH[bulk][1],
-            constants=dict(HI=32, FP8=fmt == "fp8", RESTRICT=restrict, BN=kernels.BN, ITERS=0, UPCAST=False,
-                           TMA=bulk, FP4=fmt == "fp4", GROUPS=bulk or fmt == "fp4", G=kernels.TOPK_GROUP))
+        for tokens in (1, kernels.FP4_QUERY_ROWS // 32 if fmt == "fp4" else kernels.SCORES_TOKENS):
+            name = f"scores-{fmt}-{'restricted' if restrict else 'all'}{'-bulk' if bulk else ''}"
+            out[name + (f"-{tokens}-tokens" if tokens > 1 else "")] = dict(
+                scores, types={**scores["types"], "cache": cache, "keys": keys}, num_warps=4 * tokens,
+                num_stages=kernels.SCORE_LAUNCH[bulk][1],
+                constants=dict(HI=32, TB=tokens, FP8=fmt == "fp8", RESTRICT=restrict, BN=kernels.BN, ITERS=0,
+                               UPCAST=False, TMA=bulk, FP4=fmt == "fp4", GROUPS=bulk or fmt == "fp4",
+                               G=kernels.TOPK_GROUP))
     launches = {launch._replace(programs=0, cover=0) for T in (1, 64, 256, 4096)
                 for L in (512, 8192, 1 << 15, 1 << 17, 1 << 20) for k in (512, 2048)
                 for stage in kernels.topk_plan(T, L, k, sms=132) for launch in stage}
@@ -102,10 +108,12 @@ def test_scores_run_on_the_tensor_cores_with_streamed_keys(reports):
     """fp8 (or bf16 for bf16 keys) wgmma products, keys loaded row by row 16 bytes per lane
     (16 programs per SM keep the loads in flight), or by TMA bulk copies (pages of whole
     64-entry blocks); fp4 keys as e4m3 bytes (masks and shifts, no conversion instruction:
-    ``F2F`` / ``F2FP`` would run at the conversion unit's rate)."""
-    assert not [op for op in reports["scores-fp4-all"]["ops"] if op.startswith("F2F")]
-    for fmt in ("fp8-all", "fp8-restricted", "bf16-all", "fp8-all-bulk", "fp8-restricted-bulk", "fp4-all"):
-        ops = reports[f"scores-{fmt}"]["ops"]
+    ``F2F`` / ``F2FP`` would run at the conversion unit's rate); one token a program and a
+    prefill step's blocks of tokens alike."""
+    assert not [op for name in reports if name.startswith("scores-fp4") for op in reports[name]["ops"]
+                if op.startswith("F2F")]
+    for name in [name for name in reports if name.startswith("scores-")]:
+        fmt, ops = name.removeprefix("scores-").removesuffix("-tokens").rstrip("-0123456789"), reports[name]["ops"]
         assert ("HGMMA" if fmt.startswith("bf16") else "QGMMA") in " ".join(ops), ops
         assert "UTMALDG" in " ".join(ops) if fmt.endswith("bulk") else any(op.startswith("LDG.E.128") for op in ops), ops
 

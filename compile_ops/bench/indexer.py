@@ -1,8 +1,10 @@
 """``python -m compile_ops.bench indexer``: ``indexer_topk`` against plain torch and its floor.
 
-Decode cases (``T`` tokens, one request each, ``n`` entries per request, an fp8 index cache
-(``--index-format fp4``: DeepSeek-V4.1's), 64 heads (``--heads``), top-512): the op's time by
-CUDA-graph replay, the index-key bytes it must read (``T * n * 132``, fp4 ``T * n * 68``) as
+Decode cases (``T`` tokens, one request each, or ``--requests R``: prefill chunks of ``R``
+requests, each token seeing one entry more than the one before; ``n`` entries per request,
+an fp8 index cache (``--index-format fp4``: DeepSeek-V4.1's), 64 heads (``--heads``),
+top-512): the op's time by
+CUDA-graph replay, the index-key bytes it must read (``R * n * 132``, fp4 ``R * n * 68``) as
 GB/s and as a share of the H200's 4.3 TB/s, next to the same call of
 ``torch.compile``'d plain torch (gather, dequantize, ``einsum``, ``torch.topk``; only where
 its ``[T, n, 128]`` keys fit in 2 GiB), to the op on the ``triton`` backend (the portable
@@ -32,24 +34,30 @@ K = 512  # DeepSeek-V4.1-Flash's index_topk
 DENSE_LIMIT = 1 << 29  # elements of the compiled reference's dequantized keys (2 GiB fp32)
 
 
-def problem(T: int, n: int, capacity: int, device, index_format: str = "fp8", heads: int = HEADS, page: int = PAGE):
-    """``T`` tokens of ``T`` requests with ``n`` entries each, in a table of ``page``-entry
-    pages addressing ``capacity`` entries per request (pages past ``n`` are ``-1``)."""
+def problem(T: int, n: int, capacity: int, device, index_format: str = "fp8", heads: int = HEADS, page: int = PAGE,
+            requests: int = 0):
+    """``T`` tokens of ``requests`` requests (default ``T``: decode, a token each) with ``n``
+    entries each, in a table of ``page``-entry pages addressing ``capacity`` entries per
+    request (pages past ``n`` are ``-1``). A request of ``m`` tokens is a prefill chunk: its
+    tokens are consecutive, the last one sees the ``n`` entries and each one before it one
+    entry fewer."""
     import compile_ops
     from compile_ops.indexer.cache import new_index_cache
 
+    R = requests or T
     gen = torch.Generator(device=device).manual_seed(T + n)
     used = -(-n // page)
-    cache = new_index_cache(index_format, T * used, page, device=device)
-    compile_ops.write_index_keys(cache, torch.arange(T * used * page, device=device),
-                                 torch.randn(T * used * page, 128, device=device, generator=gen), index_format)
-    table = torch.full((T, capacity // page), -1, dtype=torch.int32, device=device)
-    table[:, :used] = torch.randperm(T * used, device=device, generator=gen).to(torch.int32).view(T, used)
+    cache = new_index_cache(index_format, R * used, page, device=device)
+    compile_ops.write_index_keys(cache, torch.arange(R * used * page, device=device),
+                                 torch.randn(R * used * page, 128, device=device, generator=gen), index_format)
+    table = torch.full((R, capacity // page), -1, dtype=torch.int32, device=device)
+    table[:, :used] = torch.randperm(R * used, device=device, generator=gen).to(torch.int32).view(R, used)
     q = torch.randn(T, heads, 128, device=device, generator=gen).bfloat16()
     weights = torch.randn(T, heads, device=device, generator=gen)
-    rows = torch.arange(T, dtype=torch.int32, device=device)
-    counts = torch.full((T,), n, dtype=torch.int32, device=device)
-    return q, weights, cache, table, rows, counts
+    rows = torch.arange(T, device=device) * R // T  # R runs of consecutive tokens
+    last = torch.searchsorted(rows, rows, right=True) - 1  # each token's run's last token
+    counts = (n - (last - torch.arange(T, device=device))).clamp(min=1).to(torch.int32)
+    return q, weights, cache, table, rows.to(torch.int32), counts
 
 
 def topk_alone_us(scores: torch.Tensor, n_local: torch.Tensor, sort: bool, calls: int = 20,
@@ -90,6 +98,8 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m compile_ops.bench indexer", description=description(__doc__))
     parser.add_argument("--tokens", type=int_list, default="1,8,64", help="comma-separated T values (decode tokens)")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="the T tokens are prefill chunks of this many requests (default: T, decode)")
     parser.add_argument("--entries", type=int_list, default="8192,32768,131072",
                         help="comma-separated entries per request")
     graph_args(parser, 10, "bench_indexer.csv")
@@ -114,7 +124,7 @@ def main(argv: list[str]) -> int:
     rows = []
     compiled_reference = torch.compile(dense_reference, dynamic=False)
     for T, n in progress(todo, desc="indexer", unit="case"):
-        p = problem(T, n, n, device, fmt_name, heads, page)
+        p = problem(T, n, n, device, fmt_name, heads, page, args.requests)
         op_us = graph_time_us(lambda: compile_ops.indexer_topk(*p, K, fmt_name), args.calls, args.replays)
         portable_us = None
         if backend != "triton":
@@ -133,7 +143,7 @@ def main(argv: list[str]) -> int:
         ref_us = None
         if T * n * 128 <= DENSE_LIMIT:
             ref_us = graph_time_us(lambda: compiled_reference(*p, fmt_name), 2, 3)
-        nbytes = T * n * entry_bytes
+        nbytes = min(T, args.requests or T) * n * entry_bytes  # each request's keys, read once
         rows.append(dict(T=T, entries=n, key_bytes=nbytes, op_us=round(op_us, 1), op_id_order_us=round(op_id_us, 1),
                          triton_backend_us=None if portable_us is None else round(portable_us, 1),
                          GBps=round(nbytes / op_us / 1e3, 1),

@@ -7,9 +7,13 @@ rows of at most a few thousand entries). Every kernel is length-bounded: a token
 programs stop at its ``n`` entries; nothing reads or scores past it, whatever the cache's
 capacity.
 
-* ``_scores_kernel``, grid ``(T, S)``: program ``(t, s)`` quantizes the token's ``[Hi,
-  128]`` queries (``fp8``: e4m3 with one power-of-two scale per head, folded into the
-  weights), takes blocks ``s, s + S, ...`` of ``BN`` entries, reads their keys through
+* ``_scores_kernel``, grid ``(T / TB, S)``: program ``(b, s)`` takes ``TB`` consecutive
+  tokens (:func:`scores_tokens`: 1 in a step that may be all decode; a prefill step's
+  blocks of a request's tokens, whose keys are then read once for the block, the
+  queries of its tokens one ``[TB * Hi, 128]`` operand), quantizes their ``[Hi, 128]``
+  queries (``fp8``: e4m3 with one power-of-two scale per head, folded into the
+  weights), takes blocks ``s, s + S, ...`` of ``BN`` entries of each request run among
+  its tokens (up to the run's last token's count), reads their keys through
   the block table (e4m3 bytes and the fp32 scale of an ``fp8`` cache, or bf16; an fp8
   block that is one page's run of entries as one TMA bulk copy, :func:`key_blocks`,
   else row by row), ``tl.dot``\
@@ -64,6 +68,8 @@ TOPK_GATHER_SEGMENT = 4096  # ... when it gathers them through group ids (8192 s
 TOPK_GROUP = 16  # entries per group of a long row's first selection
 TOPK_GROUPED_FROM = 4  # rows of at least this many k * TOPK_GROUP entries select groups first
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
+SCORES_TOKENS = 4  # most tokens of one request a ``tl`` scores program takes (scores_tokens)
+FP4_QUERY_ROWS = 64  # ... and at most this many query rows (tokens x heads) of fp4 keys: more spill on sm_90
 # the scores kernel's (programs per SM, key blocks in flight per program) for keys gathered
 # row by row / copied a block at a time (the best of H200 sweeps, docs/performance-indexer.md)
 SCORE_LAUNCH = {False: (16, 1), True: (4, 3)}
@@ -73,11 +79,11 @@ BLOCK_MAX_PROGRAMS_PER_SM = 16  # ... and its grid: enough loads in flight to st
 
 
 @triton.jit
-def _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave):
+def _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave, m_t=True):
     """Token ``i_t``'s request row (0 when it picks nothing) and how many entries it scores on
-    this shard (``local_counts``)."""
-    row = tl.load(t2r + i_t)
-    n_g = tl.maximum(tl.load(n_entries + i_t), 0)
+    this shard (``local_counts``); ``i_t`` may be a block of tokens, ``m_t`` those that exist."""
+    row = tl.load(t2r + i_t, mask=m_t, other=-1)
+    n_g = tl.maximum(tl.load(n_entries + i_t, mask=m_t, other=0), 0)
     span = world * interleave
     n = tl.minimum((n_g // span) * interleave + tl.minimum(tl.maximum(n_g % span - rank * interleave, 0), interleave), L)
     ok = (row >= 0) & (row < R) & (n > 0)
@@ -125,22 +131,28 @@ def _scores_kernel(
     q, w, t2r, n_entries, cache, keys, table, allowed, scores, n_out, gmax, g_counts,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
     rank, world, interleave, block, nb, K,
-    HI: tl.constexpr, FP8: tl.constexpr, RESTRICT: tl.constexpr, BN: tl.constexpr, ITERS: tl.constexpr,
-    UPCAST: tl.constexpr, TMA: tl.constexpr, FP4: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
+    HI: tl.constexpr, TB: tl.constexpr, FP8: tl.constexpr, RESTRICT: tl.constexpr, BN: tl.constexpr,
+    ITERS: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, FP4: tl.constexpr, GROUPS: tl.constexpr,
+    G: tl.constexpr,
 ):
-    i_t, i_s = tl.program_id(0), tl.program_id(1)
-    row, n_t = _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave)
+    i_b, i_s = tl.program_id(0), tl.program_id(1)
+    # the program's TB tokens; their queries are the rows of one [TB * HI, 128] operand
+    o_j = tl.arange(0, TB)
+    t_j = i_b * TB + o_j
+    m_j = t_j < T
+    row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
     if i_s == 0:
-        tl.store(n_out + i_t, n_t)
+        tl.store(n_out + t_j, n_j, mask=m_j)
         if GROUPS:
-            _store_group_counts(g_counts, i_t, T, n_t, K, G)
-    nb_t = tl.cdiv(n_t, BN)
-    o_h = tl.arange(0, HI)
+            _store_group_counts(g_counts, t_j, T, n_j, K, G, m_j)
+    o_h = tl.arange(0, TB * HI)
+    t_h = i_b * TB + o_h // HI
+    m_h = (o_h % HI < Hi) & (t_h < T)
     o_d = tl.arange(0, 128)
-    m_h = o_h < Hi
-    b_w = tl.load(w + i_t * s_wt + o_h, mask=m_h, other=0.0)
+    b_w = tl.load(w + t_h * s_wt + o_h % HI, mask=m_h, other=0.0)
+    p_q = q + t_h.to(tl.int64)[:, None] * s_qt + (o_h % HI)[:, None] * s_qh
     if not FP4:
-        b_q = tl.load(q + i_t * s_qt + o_h[:, None] * s_qh + o_d[None, :], mask=m_h[:, None], other=0.0)
+        b_q = tl.load(p_q + o_d[None, :], mask=m_h[:, None], other=0.0)
     if FP8:  # q gets the keys' quantizer (quantize_e4m3); its power-of-two scale joins the weights
         b_qf = b_q.to(tl.float32)
         exponent = ue8m0_exponent(tl.max(tl.abs(b_qf), 1))
@@ -148,47 +160,58 @@ def _scores_kernel(
         b_w = b_w * power_of_two(exponent)
     if FP4:  # q quantized like the keys (quantize_e2m1): one e4m3 tile and scale per block of 32
         b_w = b_w * 4096.0  # the keys' and the query's 2**-6 (e2m1_as_e4m3)
-        p_q = q + i_t * s_qt + o_h[:, None] * s_qh + tl.arange(0, 32)[None, :]
+        p_q = p_q + tl.arange(0, 32)[None, :]
         q0, qs0 = _fp4_query(p_q, m_h, 0)
         q1, qs1 = _fp4_query(p_q, m_h, 1)
         q2, qs2 = _fp4_query(p_q, m_h, 2)
         q3, qs3 = _fp4_query(p_q, m_h, 3)
     o_n = tl.arange(0, BN)
-    for i in range(0, ITERS if ITERS > 0 else tl.cdiv(tl.maximum(nb_t - i_s, 0), S)):
-        c = (i_s + i * S) * BN + o_n
-        m_c = c < n_t
-        page = tl.load(table + row * s_bt + c // page_size, mask=m_c, other=-1).to(tl.int64)
-        off = c % page_size
-        m_c = m_c & (page >= 0) & (page * page_size + off < num_slots)
-        if RESTRICT:  # entries outside the token's candidate blocks (global ids) score -inf
-            blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
-            m_c = m_c & (tl.load(allowed + i_t * s_at + blk, mask=m_c & (blk < nb), other=0) != 0)
-        page = tl.where(m_c, page, 0)
-        base = cache + page * s_page
-        b_scale = tl.full([BN], 1.0, tl.float32)
-        if FP4:  # 64 bytes of e2m1 pairs, then (after the page's rows) 4 ue8m0 bytes
-            b_e = tl.load((base + page_size * 64 + off * 4).to(tl.pointer_type(tl.int32)), mask=m_c, other=0)
-            b_dot = _fp4_block_dot(base, off, m_c, b_e, q0, qs0, 0, UPCAST)
-            b_dot += _fp4_block_dot(base, off, m_c, b_e, q1, qs1, 1, UPCAST)
-            b_dot += _fp4_block_dot(base, off, m_c, b_e, q2, qs2, 2, UPCAST)
-            b_dot += _fp4_block_dot(base, off, m_c, b_e, q3, qs3, 3, UPCAST)
-        else:
-            if TMA:  # the block is one page's run of BN entries: one bulk copy, no address per byte
-                first = (i_s + i * S) * BN
-                p_blk = tl.load(table + row * s_bt + first // page_size, mask=first < n_t, other=-1)
-                b_k = tl.reshape(keys.load([p_blk, first % page_size, 0]), [BN, 128])  # e4m3; past the cache: 0
+    # a request's tokens are contiguous in a step: the block holds runs of a few rows, and
+    # each run's keys are read once for all its tokens
+    for g in tl.static_range(TB):
+        row = tl.sum(tl.where(o_j == g, row_j, 0))
+        before = tl.sum(tl.where(o_j == g - 1, row_j + 1, 0)) - 1  # the row of token g - 1 (-1: none)
+        in_run = (row_j == row) & (o_j >= g) & m_j & (row != before)  # (a run starting at g)
+        n_run = tl.max(tl.where(in_run, n_j, 0))
+        for i in range(0, ITERS if ITERS > 0 else tl.cdiv(tl.maximum(tl.cdiv(n_run, BN) - i_s, 0), S)):
+            c = (i_s + i * S) * BN + o_n
+            m_c = c < n_run
+            page = tl.load(table + row * s_bt + c // page_size, mask=m_c, other=-1).to(tl.int64)
+            off = c % page_size
+            m_c = m_c & (page >= 0) & (page * page_size + off < num_slots)
+            page = tl.where(m_c, page, 0)
+            base = cache + page * s_page
+            b_scale = tl.full([BN], 1.0, tl.float32)
+            if FP4:  # 64 bytes of e2m1 pairs, then (after the page's rows) 4 ue8m0 bytes
+                b_e = tl.load((base + page_size * 64 + off * 4).to(tl.pointer_type(tl.int32)), mask=m_c, other=0)
+                b_dot = _fp4_block_dot(base, off, m_c, b_e, q0, qs0, 0, UPCAST)
+                b_dot += _fp4_block_dot(base, off, m_c, b_e, q1, qs1, 1, UPCAST)
+                b_dot += _fp4_block_dot(base, off, m_c, b_e, q2, qs2, 2, UPCAST)
+                b_dot += _fp4_block_dot(base, off, m_c, b_e, q3, qs3, 3, UPCAST)
             else:
-                b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0.0)
+                if TMA:  # the block is one page's run of BN entries: one bulk copy, no address per byte
+                    first_c = (i_s + i * S) * BN
+                    p_blk = tl.load(table + row * s_bt + first_c // page_size, mask=first_c < n_run, other=-1)
+                    b_k = tl.reshape(keys.load([p_blk, first_c % page_size, 0]), [BN, 128])  # e4m3; past the cache: 0
+                else:
+                    b_k = tl.load(base[:, None] + off[:, None] * 128 + o_d[None, :], mask=m_c[:, None], other=0.0)
+                    if FP8:
+                        b_k = b_k.to(tl.float8e4nv, bitcast=True)
                 if FP8:
-                    b_k = b_k.to(tl.float8e4nv, bitcast=True)
-            if FP8:
-                b_scale = tl.load((base + page_size * 128 + off * 4).to(tl.pointer_type(tl.float32)), mask=m_c,
-                                  other=0.0)
-            b_dot = _dot(b_k, b_q, UPCAST)  # [BN, HI] fp32
-        b_s = tl.where(m_c, tl.sum(tl.maximum(b_dot, 0.0) * b_w[None, :], 1) * b_scale, float("-inf"))
-        tl.store(scores + i_t.to(tl.int64) * s_st + c, b_s, mask=c < n_t)
-        if GROUPS:  # the top-k's first pass over a long row, while its scores are in registers
-            _store_group_maxima(b_s, (i_s + i * S) * BN, n_t, gmax + i_t.to(tl.int64) * s_gt, G, BN)
+                    b_scale = tl.load((base + page_size * 128 + off * 4).to(tl.pointer_type(tl.float32)), mask=m_c,
+                                      other=0.0)
+                b_dot = _dot(b_k, b_q, UPCAST)  # [BN, TB * HI] fp32
+            b_s = tl.sum(tl.reshape(tl.maximum(b_dot, 0.0) * b_w[None, :], [BN, TB, HI]), 2) * b_scale[:, None]
+            m_s = m_c[:, None] & (c[:, None] < n_j[None, :])
+            if RESTRICT:  # entries outside the token's candidate blocks (global ids) score -inf
+                blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
+                m_s = m_s & (tl.load(allowed + t_j[None, :] * s_at + blk[:, None], mask=m_s & (blk[:, None] < nb),
+                                     other=0) != 0)
+            b_s = tl.where(m_s, b_s, float("-inf"))  # [BN, TB]
+            m_out = (c[:, None] < n_j[None, :]) & in_run[None, :]
+            tl.store(scores + t_j.to(tl.int64)[None, :] * s_st + c[:, None], b_s, mask=m_out)
+            if GROUPS:  # the top-k's first pass over a long row, while its scores are in registers
+                _store_group_maxima(b_s, (i_s + i * S) * BN, n_j, gmax + t_j.to(tl.int64) * s_gt, G, BN, in_run)
 
 
 @triton.jit
@@ -289,21 +312,24 @@ def _sort_row(ids, vals, taken, K, K_PAD: tl.constexpr):
 
 
 @triton.jit
-def _store_group_counts(g_counts, i_t, T, n_t, K, G: tl.constexpr):
+def _store_group_counts(g_counts, i_t, T, n_t, K, G: tl.constexpr, m_t=True):
     """Row ``t``'s group count (``g_counts[0, t]``) and its candidate count, ``G`` per group
-    the group top-k can keep (``g_counts[1, t]``), of its ``n_t`` scores."""
-    tl.store(g_counts + i_t, tl.cdiv(n_t, G))
-    tl.store(g_counts + T + i_t, tl.minimum(tl.cdiv(n_t, G), K) * G)
+    the group top-k can keep (``g_counts[1, t]``), of its ``n_t`` scores (``i_t`` may be a
+    block of rows, ``m_t`` those that exist)."""
+    tl.store(g_counts + i_t, tl.cdiv(n_t, G), mask=m_t)
+    tl.store(g_counts + T + i_t, tl.minimum(tl.cdiv(n_t, G), K) * G, mask=m_t)
 
 
 @triton.jit
-def _store_group_maxima(x, first, n_t, gmax_row, G: tl.constexpr, BLOCK: tl.constexpr):
-    """The best of each group of ``G`` among ``x [BLOCK]``, scores ``first ..`` of a row of
-    ``n_t`` (``-inf`` past it; NaN is no entry, as in the selection), into ``gmax_row``
-    (``-inf``: none valid; groups past the row's not written)."""
+def _store_group_maxima(x, first, n_t, gmax_row, G: tl.constexpr, BLOCK: tl.constexpr, m_t=True):
+    """The best of each group of ``G`` among ``x [BLOCK, rows]``, scores ``first ..`` of rows of
+    ``n_t [rows]`` (``-inf`` past them; NaN is no entry, as in the selection), into
+    ``gmax_row [rows]`` pointers (``-inf``: none valid; groups past a row's and rows outside
+    ``m_t`` not written)."""
     x = tl.where(x > float("-inf"), x, float("-inf"))
     o_g = first // G + tl.arange(0, BLOCK // G)
-    tl.store(gmax_row + o_g, tl.max(tl.reshape(x, [BLOCK // G, G]), 1), mask=o_g < tl.cdiv(n_t, G))
+    best = tl.max(tl.reshape(x, [BLOCK // G, G, x.shape[1]]), 1)
+    tl.store(gmax_row[None, :] + o_g[:, None], best, mask=(o_g[:, None] < tl.cdiv(n_t, G)[None, :]) & m_t[None, :])
 
 
 @triton.jit
@@ -318,7 +344,9 @@ def _group_max_kernel(scores, n, gmax, g_counts, s_st, s_gt, T, K, G: tl.constex
     if i_s * BLOCK < n_t:
         c = i_s * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(scores + i_t.to(tl.int64) * s_st + c, mask=c < n_t, other=float("-inf"))
-        _store_group_maxima(x, i_s * BLOCK, n_t, gmax + i_t.to(tl.int64) * s_gt, G, BLOCK)
+        o_1 = tl.arange(0, 1)
+        _store_group_maxima(x[:, None], i_s * BLOCK, n_t + o_1, gmax + i_t.to(tl.int64) * s_gt + o_1, G, BLOCK,
+                            o_1 == 0)
 
 
 @triton.jit
@@ -635,17 +663,32 @@ def launch_scores(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: 
     keys = key_blocks(cache, args.fmt.fp8)
     programs_per_sm, stages = SCORE_LAUNCH[keys is not cache]
     blocks = triton.cdiv(L, BN)
-    S = torch.sym_max(1, torch.sym_min(blocks, programs_per_sm * num_sms(q.device) // (hi - lo)))
+    HI = max(16, triton.next_power_of_2(q.shape[1]))
+    TB = scores_tokens(hi - lo, R, max(1, FP4_QUERY_ROWS // HI) if args.fmt.fp4 else SCORES_TOKENS)
+    S = torch.sym_max(1, torch.sym_min(blocks, programs_per_sm * num_sms(q.device) // triton.cdiv(hi - lo, TB)))
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
-    launchable(_scores_kernel, q)[(hi - lo, S)](
+    launchable(_scores_kernel, q)[(triton.cdiv(hi - lo, TB), S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, keys, table, allowed, scores, n,
         gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
         allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
         rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
-        HI=max(16, triton.next_power_of_2(q.shape[1])), FP8=args.fmt.fp8, RESTRICT=args.candidates is not None, BN=BN,
-        ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
-        FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_stages=stages,
+        HI=HI, TB=TB, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None,
+        BN=BN, ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
+        FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_stages=stages, num_warps=4 * TB,
     )
+
+
+def scores_tokens(T, R: int, most: int = SCORES_TOKENS) -> int:
+    """Tokens one program of the ``tl`` scores kernel takes (a block of consecutive tokens;
+    the keys of each request run among them are read once for all its tokens): 1 where the
+    step may be all decode (``T <= R``: one token per request row), else the largest power
+    of two up to ``most`` and ``T // R`` (the least mean run). A traced ``T``: 1."""
+    if not isinstance(T, int) or T <= R:
+        return 1
+    tb = 1
+    while 2 * tb <= min(most, T // R):
+        tb *= 2
+    return tb
 
 
 def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select, launch,
