@@ -178,6 +178,30 @@ def test_gpu_causal_prefill_chunk():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("index_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_gpu_prefill_token_blocks_on_the_tl_kernel(index_format, page_size):
+    """Prefill chunks on the ``tl`` scores kernel, several tokens a program
+    (``scores_tokens``): one request's 1 024-token chunk, and chunks of three requests whose
+    runs (333, 500 and 191 tokens) start and end inside the programs' token blocks: ids
+    in both orders equal the reference's."""
+    from compile_ops.indexer.triton import scores_tokens
+
+    one = big_problem(1024, 32, 8192, page_size=page_size, causal=True, index_format=index_format)
+    assert scores_tokens(1024, 1) == 4
+    q, weights, cache, _, _, _ = big_problem(1024, 32, 8192, page_size=page_size, index_format=index_format)
+    lengths = torch.tensor([333, 500, 191], device="cuda")
+    rows = torch.repeat_interleave(torch.arange(3, device="cuda", dtype=i32), lengths)
+    last = torch.cumsum(lengths, 0)[rows.long()] - 1
+    n = (8192 - (last - torch.arange(1024, device="cuda"))).to(i32)
+    B = 8192 // page_size
+    table = torch.randperm(cache.shape[0], device="cuda")[: 3 * B].view(3, B).to(i32)
+    for args in (one, (q, weights, cache, table, rows, n)):
+        for order in ("score", "id"):
+            got, want = both(args, 512, index_format, "triton", order=order)
+            assert torch.equal(got, want), order
+
+
 def test_gpu_graph_replay_new_lengths_no_sync():
     """Captured once; replays with new counts give the reference's ids; no host sync."""
     args = list(big_problem(8, 64, 1 << 14, seed=3))
