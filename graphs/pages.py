@@ -164,8 +164,13 @@ class PageAllocator:
         if rows.size > 1 and np.bincount(rows).max() > 1:
             raise ValueError(_NOT_CONTIGUOUS)
         max_seq_len, rewind = self.cache.max_seq_len, self.cache.max_rewind
-        length, high = self._length[rows], self._high[rows]
-        if np.count_nonzero((p0 < np.maximum(high + (1 - rewind), 0)) | (p0 > length) | (p0 + counts > max_seq_len)):
+        length = self._length[rows]
+        if np.count_nonzero(p0 != length):  # a rewind (or a bad start) among the runs
+            high = self._high[rows]
+            bad = (p0 < np.maximum(high + (1 - rewind), 0)) | (p0 > length) | (p0 + counts > max_seq_len)
+        else:  # every run continues its row: a length is never under high + 1 - max_rewind
+            bad = p0 + counts > max_seq_len
+        if np.count_nonzero(bad):
             for r, p, c in zip(rows.tolist(), p0.tolist(), counts.tolist()):
                 self._check_run(r, p, c)
         return rows, p0, counts

@@ -622,6 +622,36 @@ def test_applied_page_changes_make_the_tables_the_allocators(seed, steps):
             assert torch.equal(meta.cmp_table_of(ratio), pages.cmp_table_of(ratio))
 
 
+def test_array_steps_check_every_run():
+    """A step of more than ``FEW_TOKENS`` tokens is checked on arrays, whether every run
+    continues its row (a decode step) or some rewind: a run past ``max_seq_len``, a rewind
+    past ``max_rewind`` and a start past a row's length are refused, naming the row, and
+    change nothing; the same rows then step."""
+    import graphs.pages
+
+    R = graphs.pages.FEW_TOKENS + 4
+    pages = PageAllocator(CacheConfig(R, R, 64, 4, max_rewind=2, swa_pages=16 * R), 2, TINY.window_size)
+    for r in range(R):
+        pages.grow(r, 64 if r == 0 else 60)  # row 0 is full
+    state = lambda: (pages.swa_table.tolist(), pages.cmp_table.tolist(), pages.length, pages.high,  # noqa: E731
+                     pages.pages_held())
+    before = state()
+    with pytest.raises(ValueError, match="request 0: positions 64..64 outside"):  # every run continues
+        pages.plan(torch.tensor(pages.length, dtype=I32), torch.arange(R, dtype=I32))
+    assert state() == before
+    rows = torch.arange(1, R, dtype=I32)
+    at = lambda *shift: torch.tensor([60 + s for s in shift], dtype=I32)  # noqa: E731
+    pages.plan(at(*[0] * (R - 1)), rows)
+    pages.plan(at(*[1] * (R - 2), 0), rows)  # the last row rewinds one
+    before = state()
+    for shift, match in ((-2, "rewind at most max_rewind=2"), (3, "cannot start at position 63")):
+        with pytest.raises(ValueError, match=f"request {R - 1} .*{match}"):
+            pages.plan(at(*[2] * (R - 2), shift), rows)
+        assert state() == before
+    pages.plan(at(*[2] * (R - 2), 1), rows)
+    assert pages.length == [64] + [63] * (R - 2) + [62]
+
+
 def test_a_step_the_pools_cannot_serve_changes_nothing():
     """A step that needs more pages than a pool holds is refused whole: ``RuntimeError``
     naming the pool, every table, length and free page as before; a smaller step then
