@@ -187,6 +187,15 @@ def table_layout(requests: int, swa_columns: int, cmp_columns: dict[int, int]) -
     return (("swa", requests, swa_columns), *((r, requests, cmp_columns[r]) for r in sorted(cmp_columns)))
 
 
+def table_offsets(tables: TableLayout) -> tuple[dict[Union[str, int], int], int]:
+    """``({kind: offset of its first entry in the store}, entries of the store)`` of ``tables``."""
+    offsets, at = {}, 0
+    for kind, rows, cols in tables:
+        offsets[kind] = at
+        at += rows * cols
+    return offsets, at
+
+
 class PageChanges(NamedTuple):
     """Block-table entries to set: what :meth:`graphs.PageAllocator.take_changes` gives and
     :meth:`StepMetadata.apply_pages` takes.
@@ -249,11 +258,8 @@ class StepMetadata(nn.Module):
 
         # every block table in one store: a step's changes to all of them are one put_
         self.tables = table_layout(R, first.swa_columns, {g.ratio: g.cmp_columns for g in geometries if g.ratio})
-        self._table_at, at = {}, 0
-        for kind, rows, cols in self.tables:
-            self._table_at[kind] = (at, cols)
-            at += rows * cols
-        self.register_buffer("block_tables", torch.full((at,), -1, dtype=torch.int32, device=device), persistent=False)
+        self._table_at, size = table_offsets(self.tables)
+        self.register_buffer("block_tables", torch.full((size,), -1, dtype=torch.int32, device=device), persistent=False)
 
         def slots():
             return torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
@@ -271,8 +277,8 @@ class StepMetadata(nn.Module):
 
     def _table(self, kind: Union[str, int]) -> Tensor:
         """Table ``kind`` of :attr:`tables`: a view ``[R, columns]`` of :attr:`block_tables`."""
-        at, cols = self._table_at[kind]
-        R = self.tables[0][1]
+        _, R, cols = next(table for table in self.tables if table[0] == kind)
+        at = self._table_at[kind]
         return self.block_tables[at:at + R * cols].view(R, cols)
 
     @property

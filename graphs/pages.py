@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from graphs.config import CacheConfig
-from graphs.metadata import PageChanges, table_layout
+from graphs.metadata import PageChanges, table_layout, table_offsets
 
 # Steps of at most this many tokens are planned on Python ints, token by token: the array
 # path's few dozen numpy calls cost a microsecond or more each, and a loop over this many
@@ -92,11 +92,10 @@ class PageAllocator:
         self.tables = table_layout(R, cache.swa_table_columns(), {r: cache.cmp_pages_per_request(r) for r in self.ratios})
         """The :data:`graphs.metadata.TableLayout` of the block tables: as a
         :class:`graphs.StepMetadata` of the same layer lays them out."""
-        self._store = np.full(sum(rows * cols for _, rows, cols in self.tables), -1, np.int32)
-        self._tables, self._table_at, at = {}, {}, 0  # kind -> view [R, columns] of the store, its offset
-        for kind, rows, cols in self.tables:
-            self._tables[kind], self._table_at[kind] = self._store[at:at + rows * cols].reshape(rows, cols), at
-            at += rows * cols
+        self._table_at, size = table_offsets(self.tables)
+        self._store = np.full(size, -1, np.int32)
+        self._tables = {kind: self._store[self._table_at[kind]:self._table_at[kind] + rows * cols].reshape(rows, cols)
+                        for kind, rows, cols in self.tables}  # kind -> view [R, columns] of the store
         self._pools = {"swa": PagePool(cache.swa_num_pages(window), "swa", generator),
                        **{r: PagePool(cache.cmp_num_pages(r), "cmp", generator) for r in self.ratios}}
         self.swa_pool = self._pools["swa"]
