@@ -11,7 +11,7 @@ token is compared with the full-history oracle (``graphs.naive``): the verdict i
 when every output is within the stated tolerance and every top-k pick is the oracle's up
 to the index format's rounding; the exit status is 1 if any layer fails. On a GPU it then
 measures decode step times per batch at 1K tokens, steps of 512..8192 tokens (host vs
-wall time; 8192 runs compiled without a graph), the prefill of a 32K-token prompt in 4K chunks, 64 requests decoding
+wall time; 8192 runs as two replays of the 4096 graph), the prefill of a 32K-token prompt in 4K chunks, 64 requests decoding
 at 128K tokens against the byte floor, the layer's memory against its formula, and
 decode cost in layers of 4K and 1M tokens of capacity (and plots with ``--plot``).
 
@@ -334,15 +334,14 @@ def report(info: dict) -> None:
                 print(f"bf16 weights, costliest kernels at batch {r['batch']} (us): "
                       + "; ".join(f"{name} {us}" for name, us in r["top_kernels"][:5]))
     for r in info.get("large_steps", []):
-        print(f"steps of {r['tokens']} tokens ({'graph' if r['graph'] else 'compiled, no graph'}), back to back: host "
-              f"{r['host_us']} us, wall {r['wall_us']} us per step")
+        print(f"a step of {r['tokens']} tokens ({r['pieces']} graph replay{'s' if r['pieces'] > 1 else ''}) from an "
+              f"idle GPU: host {r['host_us']} us, wall {r['wall_us']} us")
     if "prefill" in info:
         p = info["prefill"]
         print(f"prefill {p['prompt']} tokens in {p['chunk']}-token chunks: {p['ms']} ms, {p['tokens_per_s']} tokens/s, "
               f"{p['tflops']} TFLOP/s = {p['pct_of_bf16_rate']} % of the bf16 rate")
-        if p["chunk_top_kernels"]:
-            print(f"one {p['chunk']}-token chunk's graph: {p['chunk_kernels_us']} us of kernels; costliest (us): "
-                  + "; ".join(f"{name} {us}" for name, us in p["chunk_top_kernels"]))
+        print(f"the last {p['chunk']}-token chunk: {p['chunk_kernels_us']} us of kernels, {p['chunk_indexer_us']} us "
+              f"in the indexer ops; costliest (us): " + "; ".join(f"{name} {us}" for name, us in p["chunk_top_kernels"]))
     if "long_decode" in info:
         d = info["long_decode"]
         print(f"decode of {d['batch']} requests at {d['context']} tokens: replay {d['replay_us']} us, floor "

@@ -647,6 +647,11 @@ class DSV41Attention(nn.Module):
     def device(self) -> torch.device:
         return self.swa_cache.device
 
+    def step_rows(self) -> list[Tensor]:
+        """The buffers whose first ``T`` rows hold what a ``T``-token step picked, token by
+        token, after it (``topk_ids``, ``candidate_ids``; those the layer has)."""
+        return [b for b in (self.topk_ids, self.candidate_ids) if b is not None]
+
     def geometries(self) -> list[Geometry]:
         """This layer's one :class:`graphs.metadata.Geometry` (for :class:`StepMetadata`)."""
         return [Geometry.of(self.cfg.window_size, self.cache_cfg, self.compress_ratio, self.dcp_rank)]

@@ -11,15 +11,16 @@ Decode steps of ``b`` tokens are timed four ways side by side:
   replay alone (CUDA events); ``kernels``: the sum of the GPU times of the kernels one
   replay runs (``torch.profiler``), the floor a graph can reach.
 
-Larger steps (prefill chunks past the largest bucket) run compiled without a graph:
-:func:`time_large_steps` splits their cost into host time (until the call returns, the
-work enqueued) and GPU time (CUDA events). Floors: :func:`decode_floor_us` (bytes read
+Larger steps (prefill chunks past the largest bucket) run as pieces of the largest bucket:
+:func:`time_large_steps` splits a step's cost into host time (until the call returns, the
+work enqueued) and wall time. Floors: :func:`decode_floor_us` (bytes read
 once at the copy bandwidth) and :func:`step_flops` (the matrix work at the bf16 rate).
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
@@ -123,6 +124,7 @@ class KernelProfile(NamedTuple):
     count: int  # kernels per call
     top: list  # the 8 costliest as (name, us per call)
     names: frozenset  # every kernel's name
+    ops: dict  # GPU microseconds per call of the kernels each dsv41 op ran, by op name (none inside a graph)
 
 
 def profile_kernels(fn: Callable[[], object], iters: int = 5) -> KernelProfile:
@@ -138,10 +140,14 @@ def profile_kernels(fn: Callable[[], object], iters: int = 5) -> KernelProfile:
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     costly = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+    ops: dict[str, float] = {}
+    for e in prof.events():  # an op's device time holds the kernels of the ops it calls
+        if e.name.startswith("dsv41::") and e.device_type == DeviceType.CPU:
+            ops[e.name] = ops.get(e.name, 0.0) + e.device_time_total / iters
     return KernelProfile(sum(e.self_device_time_total for e in kernels) / iters,
                          round(sum(e.count for e in kernels) / iters),
                          [(e.key[:80], round(e.self_device_time_total / iters, 1)) for e in costly],
-                         frozenset(e.key for e in kernels))
+                         frozenset(e.key for e in kernels), ops)
 
 
 def time_page_planning(batches=(1, 64, 256), steps: int = 192, context: int = 1024, *, stagger: bool = False,
@@ -302,15 +308,35 @@ def step_flops(layer: DSV41Attention, tokens: int, n_entries_sum: int) -> float:
     return float(flops)
 
 
+def prefill_flops(model, prompt: int) -> float:
+    """:func:`step_flops` of a ``prompt``-token prefill summed over ``model``'s layers (a
+    :class:`graphs.DSV41Attention` or a :class:`graphs.DSV41Stack`): the token at position
+    ``p`` scores the ``(p + 1) // ratio`` entries before it, or at most its candidate
+    blocks' entries in a layer that scores inside the candidate source's blocks."""
+    layers = [model] if isinstance(model, DSV41Attention) else [block.attn for block in model.blocks]
+    total = 0.0
+    for layer in layers:
+        entries = 0
+        if layer.indexer is not None:
+            r = layer.compress_ratio
+            per_token = torch.arange(1, prompt + 1) // r
+            if layer.uses_candidates:
+                per_token = per_token.clamp(max=layer.plan.candidate_topk_blocks * layer.candidate_block // r)
+            entries = int(per_token.sum())
+        total += step_flops(layer, prompt, entries)
+    return total
+
+
 @torch.no_grad()
 def time_prefill(runner: StepRunner, prompt: int, chunk: int, row: int = 0) -> dict:
-    """A ``prompt``-token prefill of request row ``row`` in chunks of ``chunk`` tokens
-    (steps past the largest bucket run compiled, without a graph): wall time, tokens/s, the
-    share of the bf16 matrix rate its FLOPs reach, and the kernels of one chunk's graph."""
-    layer, device = runner.layer, runner.layer.swa_cache.device
+    """A ``prompt``-token prefill of request row ``row`` in chunks of ``chunk`` tokens (a
+    chunk past the largest bucket runs in pieces): wall time, tokens/s, the share of the
+    bf16 matrix rate its FLOPs (:func:`prefill_flops`) reach, and the last chunk's kernels
+    (run again compiled, without a graph, so the profiler sees each op): their GPU time,
+    the costliest, and the share of it inside the ``dsv41`` indexer ops."""
+    layer, device = runner.layer, runner.layer.device
     gen = torch.Generator().manual_seed(prompt)
     x = torch.randn(chunk, layer.cfg.dim, generator=gen).to(torch.bfloat16).to(device)
-    ratio = max(layer.compress_ratio, 1)
 
     def run():
         runner.release(row)
@@ -318,51 +344,49 @@ def time_prefill(runner: StepRunner, prompt: int, chunk: int, row: int = 0) -> d
             n = min(chunk, prompt - p)
             runner.step(x[:n], torch.arange(p, p + n, dtype=torch.int32), torch.full((n,), row, dtype=torch.int32))
 
-    run()  # warm-up (compiles the chunk sizes)
+    run()  # warm-up
     torch.cuda.synchronize()
     start = time.perf_counter()
     run()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    prof = None
-    if chunk in runner.graphs:  # the last chunk's graph, replayed again: where a chunk's time goes
-        prof = profile_kernels(runner.graphs[chunk].replay, iters=2)
-    entries = sum((p + 1) // ratio for p in range(prompt)) if layer.compress_ratio else 0
-    flops = step_flops(layer, prompt, entries)
+    # the metadata still holds the last chunk: running it again rewrites what it wrote
+    last = runner.bucket_for(prompt - (prompt - 1) // chunk * chunk)
+    prof = profile_kernels(lambda: runner.run(last), iters=2)
+    indexer_us = sum(us for name, us in prof.ops.items() if "indexer" in name)
+    flops = prefill_flops(layer, prompt)
     runner.release(row)
     return {"prompt": prompt, "chunk": chunk, "ms": round(seconds * 1e3, 2), "tokens_per_s": round(prompt / seconds),
             "tflops": round(flops / seconds / 1e12, 1), "pct_of_bf16_rate": round(100 * flops / seconds / BF16_FLOPS_PER_S, 1),
-            "chunk_kernels_us": round(prof.us, 1) if prof and prof.top else None,
-            "chunk_top_kernels": prof.top if prof else []}
+            "chunk_kernels_us": round(prof.us, 1), "chunk_indexer_us": round(indexer_us, 1),
+            "chunk_top_kernels": prof.top}
 
 
 @torch.no_grad()
 def time_large_steps(runner: StepRunner, sizes, iters: int = 5) -> list[dict]:
-    """``iters`` back-to-back steps of ``n`` tokens (one request's prefill chunk at position
-    0, request row 0 released in between; past the largest bucket they run compiled,
-    without a graph): host microseconds per step until the calls return (the work
-    enqueued) and wall microseconds per step once the GPU is done. Host below wall means
-    the GPU, not the host, sets the pace."""
-    layer, device = runner.layer, runner.layer.swa_cache.device
+    """Steps of ``n`` tokens (one request's prefill chunk at position 0, request row 0
+    released before each), each from an idle GPU: the host's microseconds until the call
+    returns (its work all enqueued) and the wall microseconds until the GPU is done, the
+    medians of ``iters``. Past the largest bucket a step runs in ``pieces`` graph replays."""
+    layer, device = runner.layer, runner.layer.device
     out = []
     for n in sizes:
         x = torch.randn(n, layer.cfg.dim, device=device).to(torch.bfloat16)
         positions, rows = torch.arange(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
-
-        def call():
+        host, wall = [], []
+        for i in range(iters + 1):  # the first: warm-up
             runner.release(0)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
             runner.step(x, positions, rows)
-
-        call()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
-            call()
-        host = time.perf_counter() - start
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-        out.append({"tokens": n, "graph": n in runner.graphs, "host_us": round(host / iters * 1e6, 1),
-                    "wall_us": round(wall / iters * 1e6, 1)})
+            enqueued = time.perf_counter()
+            torch.cuda.synchronize()
+            if i:
+                host.append(enqueued - start)
+                wall.append(time.perf_counter() - start)
+        largest = runner.buckets[-1]
+        out.append({"tokens": n, "pieces": -(-n // largest), "host_us": round(statistics.median(host) * 1e6, 1),
+                    "wall_us": round(statistics.median(wall) * 1e6, 1)})
     runner.release(0)
     return out
 

@@ -8,8 +8,10 @@ hidden states ``x [T, dim]``. :class:`StepRunner` compiles it with
 serves every step kind through them: a step of ``n`` tokens (any mix of prefill chunks,
 decode and draft tokens) replays the smallest bucket ``>= n``, padded with padding rows
 (position ``-1``: no cache or state writes, empty attention rows); a step larger than
-every bucket runs the compiled step at its own ``T``, without a graph. Its
-:class:`PageAllocator` checks each step and gives requests their pages on the host.
+every bucket runs as consecutive pieces of the largest bucket, each a replay of its graph
+(attention is causal and each piece continues its requests where the one before left them,
+as chunked prefill does, so the pieces compute the step). Its :class:`PageAllocator` checks
+each step and gives requests their pages on the host.
 
 ``torch.compile(LayerStep(layer, meta), mode="reduce-overhead")`` is the other way to get
 graphs: buffers are static inputs, so Inductor's CUDA-graph trees record the same step.
@@ -88,14 +90,14 @@ def compiled_call(fn: Callable, x: Tensor) -> Tensor:
 
 
 class StepRunner:
-    """Compile, capture and replay ``layer``'s step per token bucket; run larger steps compiled.
+    """Compile, capture and replay ``layer``'s step per token bucket; run larger steps in pieces.
 
     Args:
         layer: the attention layer, or a :class:`graphs.DSV41Stack` (the whole stack is one
             graph per bucket); its caches are mutated by every valid step.
         buckets: step sizes (tokens) to capture as CUDA graphs (those ``<= max_tokens``
             are kept); a step of ``n`` tokens runs the smallest bucket ``>= n``, a larger one
-            (up to ``max_tokens``) runs compiled without a graph at its own size.
+            (up to ``max_tokens``) runs as consecutive pieces of the largest bucket.
         pages: the host-side page allocator (default: :meth:`PageAllocator.for_layer`).
         compile: ``torch.compile(fullgraph=True)`` the step (``False``: run it eagerly,
             still padded and, on CUDA, still captured).
@@ -158,18 +160,26 @@ class StepRunner:
         self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if pinned else None
         self._turn = 0
         self._x_rows: dict[int, Tensor] = {}  # input(n): x[:n], sliced once per size
+        # a step larger than every bucket gathers its pieces' outputs here (each piece's
+        # graph writes the same static rows), and keeps its first piece's rows of the
+        # layer's step_rows() aside while later pieces write theirs
+        largest = self.buckets[-1]
+        pieces = max_tokens > largest
+        self._pieces_out = torch.empty(max_tokens, layer.cfg.dim, dtype=torch.bfloat16, device=device) if pieces else None
+        self._first_rows = [torch.empty_like(b[:largest]) for b in layer.step_rows()] if pieces else []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.captures = 0
         self._traced = False
 
     def bucket_for(self, n: int) -> int:
-        """The captured size a step of ``n`` tokens runs at (``n`` itself past the largest)."""
+        """The captured size a step of ``n`` tokens runs at: the smallest bucket ``>= n``;
+        past the largest bucket, the largest (the step runs in pieces of that size)."""
         max_tokens = self.layer.cache_cfg.max_tokens
         if not 1 <= n <= max_tokens:
             raise ValueError(f"a step must have 1..{max_tokens} tokens (CacheConfig.max_tokens), got {n}")
         i = bisect.bisect_left(self.buckets, n)
-        return self.buckets[i] if i < len(self.buckets) else n
+        return self.buckets[min(i, len(self.buckets) - 1)]
 
     def run(self, size: int) -> Tensor:
         """Run the (compiled) step on the first ``size`` rows of the static input."""
@@ -227,6 +237,11 @@ class StepRunner:
         they are copied into the static buffers and the bucket's graph replays (or the
         compiled step runs). Each request's tokens are contiguous, at consecutive positions,
         continuing at its length or rewinding at most ``max_rewind`` positions.
+
+        A step of more tokens than the largest bucket is planned and checked whole, then
+        runs as consecutive pieces of the largest bucket (graph replays); its output is
+        gathered in one static buffer and the layer's ``step_rows()`` (the top-k ids of
+        each token) are left as one step would leave them.
         """
         dim = self.layer.cfg.dim
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != dim or not x.is_floating_point():
@@ -238,23 +253,46 @@ class StepRunner:
             raise ValueError(f"positions and token_to_req must be [n] = [{n}] like x's tokens, got "
                              f"[{len(positions)}] and [{len(token_to_req)}]")
         size = self.bucket_for(n)
+        if self.cuda_graphs and size not in self.graphs:
+            raise RuntimeError(f"bucket {size} was not captured; call capture() first")
         if self.compiled and not self._traced:
             self.trace()
         self.pages.plan(positions, token_to_req)
         turn = self._next_turn()
         self.meta.apply_pages(self.pages.take_changes(), staging=self._staged_pages[turn])
-        self._stage(turn, size, positions, token_to_req)
-        if x is not self._x_rows.get(n):  # not the hidden states written in place (input())
-            self.input(n).copy_(x, non_blocking=True)
-        if self.cuda_graphs and size in self.buckets:
-            if size not in self.graphs:
-                raise RuntimeError(f"bucket {size} was not captured; call capture() first")
-            self.graphs[size].replay()
-            out = self.outputs[size] if n == size else self.outputs[size][:n]
-        else:
-            out = self.run(size)[:n]
+        in_place = x is self._x_rows.get(n)  # the hidden states written in place (input())
+        if n <= size:
+            out = self._run_piece(turn, x, in_place, positions, token_to_req)
+        else:  # past the largest bucket: in pieces of it
+            out, rows = self._pieces_out[:n], self.layer.step_rows()
+            for a in range(0, n, size):
+                b = min(a + size, n)
+                piece = self._run_piece(turn if a == 0 else self._next_turn(), x[a:b], in_place and a == 0,
+                                        positions[a:b], token_to_req[a:b])
+                out[a:b].copy_(piece, non_blocking=True)
+                for buffer, first in zip(rows, self._first_rows):  # the step's rows where one step leaves them
+                    (first if a == 0 else buffer[a:b]).copy_(buffer[:b - a])
+            for buffer, first in zip(rows, self._first_rows):
+                buffer[:size].copy_(first)
         self.pages.trim()
         return out
+
+    def _run_piece(self, turn: int, x: Tensor, in_place: bool, positions: list[int] | np.ndarray,
+                   token_to_req: list[int] | np.ndarray) -> Tensor:
+        """Run ``n = len(positions) <=`` the largest bucket's tokens, planned already: stage
+        their integers in the ring's buffers ``turn``, copy ``x`` into the static input rows
+        (unless ``in_place``: it is those rows) and replay the bucket's graph (or run the
+        compiled step); returns the ``[n, dim]`` output rows."""
+        n = len(positions)
+        size = self.bucket_for(n)
+        self._stage(turn, size, positions, token_to_req)
+        if not in_place:
+            # a later piece's rows lie past the largest bucket, so they never overlap x[:n]
+            self.input(n).copy_(x, non_blocking=True)
+        if self.cuda_graphs:
+            self.graphs[size].replay()
+            return self.outputs[size] if n == size else self.outputs[size][:n]
+        return self.run(size)[:n]
 
     def input(self, n: int) -> Tensor:
         """The static input rows ``[n, dim]`` (bf16, on the layer's device) a step of ``n``

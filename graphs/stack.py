@@ -121,6 +121,12 @@ class DSV41Stack(nn.Module):
             raise ValueError("build the stack with record_inputs=True to record its layers' inputs")
         return self.layer_inputs.view(len(self.blocks) + 1, self.cache_cfg.max_tokens, -1).transpose(0, 1)
 
+    def step_rows(self) -> list[Tensor]:
+        """Every layer's :meth:`graphs.DSV41Attention.step_rows`, and the recorded inputs
+        (:meth:`recorded_inputs`) when kept: token-major buffers a step fills row by row."""
+        rows = [b for block in self.blocks for b in block.attn.step_rows()]
+        return rows + ([self.recorded_inputs()] if self.layer_inputs is not None else [])
+
     def sources(self, layer_id: int) -> set[int]:
         """The other layers whose caches, ids or candidates layer ``layer_id`` reads."""
         role = self.plan.layers[layer_id]

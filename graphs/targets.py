@@ -1,4 +1,4 @@
-"""``python -m graphs.targets``: the decode targets on one GPU in one run, each figure
+"""``python -m graphs.targets``: the decode and prefill targets on one GPU in one run, each figure
 beside its floor or its limit.
 
 Sections (``--only``, comma-separated; all by default):
@@ -20,6 +20,12 @@ Sections (``--only``, comma-separated; all by default):
   layer.
 * ``fp4``: ``indexer_topk`` over DeepSeek-V4.1's fp4 index keys (68 B an entry, its 32
   index heads), 64 tokens over 64K entries, as a share of the HBM bandwidth.
+* ``prefill``: the V4.1-Flash stack's slice with bf16 and then FP8 weights, captured at
+  4096 tokens: a 32K-token prompt in 4K chunks against the matrix floor
+  (:func:`graphs.bench.prefill_flops` at the bf16 rate; FP8 weights also at twice it, the
+  FP8 rate, reported without a target), the share of its last chunk's kernel time inside
+  the indexer ops, and an 8192-token step (two replays of the 4096 graph): its host time
+  as a share of its wall time.
 
 Prints one markdown table (target, measured, floor, met) and, with ``--json``, writes its
 rows. Compiling dominates: about a minute per layer and weight kind on an H200 with a
@@ -42,26 +48,28 @@ import torch
 
 from compile_ops._cli import description
 
-SECTIONS = ("decode", "long", "indexer", "stack", "fp4")
+SECTIONS = ("decode", "long", "indexer", "stack", "fp4", "prefill")
 DECODE_BATCHES = (1, 64, 256)
 DECODE_POSITION = 1026  # 513 compressed entries at ratio 2: the top-k searches
 LONG_ROWS, LONG_CONTEXT = 64, 128 * 1024
+PREFILL_PROMPT, PREFILL_CHUNK = 32 * 1024, 4096
 
 
 class Target(NamedTuple):
     """One target: ``measured`` against ``limit`` (both in ``unit``; met when at most the
-    limit), with the ``floor`` it stands beside (``None``: none applies) and a ``note``."""
+    limit; ``None``: a figure reported beside the targets, none set for it), with the
+    ``floor`` it stands beside (``None``: none applies) and a ``note``."""
 
     name: str
     measured: float
-    limit: float
+    limit: Optional[float]
     unit: str = "us"
     floor: Optional[float] = None
     note: str = ""
 
     @property
-    def met(self) -> bool:
-        return self.measured <= self.limit
+    def met(self) -> Optional[bool]:
+        return None if self.limit is None else self.measured <= self.limit
 
     def row(self) -> dict:
         return {**self._asdict(), "met": self.met}
@@ -77,11 +85,12 @@ def table(targets: list[Target]) -> str:
     """The targets as a markdown table; a floor shows with the measured figure's multiple of it."""
     lines = ["| target | measured | floor | met |", "| --- | --- | --- | --- |"]
     for t in targets:
-        limit = f"<= {t.limit:g}x" if t.unit == "x" else f"<= {t.limit:g} {t.unit}"
+        limit = ("" if t.limit is None else f" <= {t.limit:g}x" if t.unit == "x"
+                 else f" <= {t.limit:g} {t.unit}")
         floor = "-" if t.floor is None else f"{_amount(t.floor, t.unit)} ({t.measured / t.floor:.2f}x)"
         note = f" ({t.note})" if t.note else ""
-        lines.append(f"| {t.name} {limit} | {_amount(t.measured, t.unit)}{note} | {floor} | "
-                     f"{'yes' if t.met else 'no'} |")
+        met = "-" if t.met is None else "yes" if t.met else "no"
+        lines.append(f"| {t.name}{limit} | {_amount(t.measured, t.unit)}{note} | {floor} | {met} |")
     return "\n".join(lines)
 
 
@@ -206,8 +215,49 @@ def fp4_targets(say: Callable[[str], None]) -> list[Target]:
                    note=f"{us:.1f} us, {100 * floor / us:.1f} % of 4.3 TB/s")]
 
 
+def prefill_targets(say: Callable[[str], None]) -> list[Target]:
+    """The stack slice's 32K-token prefill in 4K chunks and an 8192-token step, bf16 then
+    FP8 weights."""
+    from compile_ops.bench import BF16_FLOPS_PER_S
+    from graphs import V41_FLASH, V41_FLASH_PLAN, CacheConfig, DSV41Stack
+    from graphs.bench import prefill_flops, time_large_steps, time_prefill
+    from graphs.runner import StepRunner
+    from graphs.stack_job import FLASH_KINDS
+
+    cache = CacheConfig(max_requests=2, max_tokens=2 * PREFILL_CHUNK, max_seq_len=PREFILL_PROMPT + 2 * PREFILL_CHUNK,
+                        page_size=64, kv_format="fp8_dsv41")
+    ids = [layer_id for layer_id, _ in FLASH_KINDS.values()]
+    out = []
+    for weights in ("bf16", "fp8"):
+        say(f"prefill: compiling and capturing the {weights} stack slice at {PREFILL_CHUNK} tokens")
+        stack = DSV41Stack(V41_FLASH, cache, V41_FLASH_PLAN, ids, "cuda", weights=weights)
+        runner = StepRunner(stack, [PREFILL_CHUNK])
+        runner.capture()
+        say(f"prefill: {weights} {PREFILL_PROMPT}-token prompt in {PREFILL_CHUNK}-token chunks")
+        p = time_prefill(runner, PREFILL_PROMPT, PREFILL_CHUNK)
+        floor_ms = prefill_flops(stack, PREFILL_PROMPT) / BF16_FLOPS_PER_S * 1e3
+        rate = f"{p['tokens_per_s']} tokens/s, {p['pct_of_bf16_rate']} % of the bf16 rate"
+        if weights == "bf16":
+            out.append(Target(f"bf16 stack {PREFILL_PROMPT // 1024}K prefill / bf16 matrix floor", p["ms"] / floor_ms,
+                              2.0, unit="x", note=f"{p['ms']} ms against {floor_ms:.2f} ms; {rate}"))
+        else:  # weights read at the FP8 rate, twice the bf16 one
+            out.append(Target(f"FP8 stack {PREFILL_PROMPT // 1024}K prefill / FP8 matrix floor", 2 * p["ms"] / floor_ms,
+                              None, unit="x", note=f"{p['ms']} ms against {floor_ms / 2:.2f} ms; {rate}"))
+        share = 100 * p["chunk_indexer_us"] / p["chunk_kernels_us"]
+        out.append(Target(f"{weights} indexer share of a {PREFILL_CHUNK}-token chunk's kernels", share, 20.0, unit="%",
+                          note=f"{p['chunk_indexer_us']} of {p['chunk_kernels_us']} us; costliest: "
+                               + ", ".join(f"{name} {us}" for name, us in p["chunk_top_kernels"][:4])))
+        say(f"prefill: {weights} {2 * PREFILL_CHUNK}-token step")
+        large = time_large_steps(runner, [2 * PREFILL_CHUNK])[0]
+        out.append(Target(f"{weights} {2 * PREFILL_CHUNK}-token step host / wall", 100 * large["host_us"] / large["wall_us"],
+                          15.0, unit="%", note=f"{large['host_us']} / {large['wall_us']} us, {large['pieces']} replays"))
+        del runner, stack
+        torch.cuda.empty_cache()
+    return out
+
+
 RUNNERS = {"decode": decode_targets, "long": long_targets, "indexer": indexer_targets, "stack": stack_targets,
-           "fp4": fp4_targets}
+           "fp4": fp4_targets, "prefill": prefill_targets}
 
 
 def sections(value: str) -> list[str]:

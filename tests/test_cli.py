@@ -195,14 +195,16 @@ def test_targets_table_sets_each_figure_beside_its_floor_and_limit():
 
     text = table([Target("batch-1 replay", 116.4, 100.0, floor=33.2, note="29 kernels"),
                   Target("64 x 64K / bytes floor", 1.39, 1.4, unit="x", note="179.0 us against 128.8 us"),
-                  Target("kernels per replay", 29, 60, unit="kernels")])
+                  Target("kernels per replay", 29, 60, unit="kernels"),
+                  Target("FP8 prefill / FP8 floor", 3.1, None, unit="x")])
     assert "| batch-1 replay <= 100 us | 116.4 us (29 kernels) | 33.2 us (3.51x) | no |" in text
     assert "| 64 x 64K / bytes floor <= 1.4x | 1.39x (179.0 us against 128.8 us) | - | yes |" in text
     assert "| kernels per replay <= 60 kernels | 29 kernels | - | yes |" in text
+    assert "| FP8 prefill / FP8 floor | 3.10x | - | - |" in text  # reported, no target set
 
 
 @pytest.mark.parametrize("argv, status, says", [
-    (["--only", "decode,prefill"], 2, "sections are decode, long, indexer, stack"),
+    (["--only", "decode,chunks"], 2, "sections are decode, long, indexer, stack, fp4, prefill"),
     (["--only", ","], 2, "sections are"),
 ] + ([] if torch.cuda.is_available() else [(["--only", "indexer"], 1, "it needs a CUDA GPU")]))
 def test_targets_refuses_unknown_sections_and_a_machine_without_cuda(argv, status, says, capsys):

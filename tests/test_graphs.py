@@ -308,8 +308,8 @@ def test_padding_rows_write_nothing():
     assert layer.topk_ids[1:].tolist() == [[-1] * layer.topk] * 3
 
 
-def test_runner_pads_to_bucket_and_runs_larger_steps_at_their_size():
-    layer = make_layer(2, max_tokens=8)
+def test_runner_pads_to_bucket_and_runs_larger_steps_in_pieces():
+    layer = make_layer(2, max_tokens=12)
     twin = copy.deepcopy(layer)
     runner = make_runner(layer, buckets=(4,))
     x = torch.randn(3, TINY.dim, dtype=torch.bfloat16)
@@ -319,11 +319,36 @@ def test_runner_pads_to_bucket_and_runs_larger_steps_at_their_size():
         exact = twin(x, twin.step_inputs(i32(0, 0, 0), i32(0, 1, 2), runner.meta.swa_block_table,
                                          runner.meta.cmp_block_table))
         assert rel_err(padded, exact) < 1e-2
-        assert runner.bucket_for(6) == 6  # past the largest bucket: no padding, no graph
-        y = runner.step(torch.randn(6, TINY.dim, dtype=torch.bfloat16), i32(1, 2, 3, 4, 5, 6), i32(0, 0, 0, 0, 0, 0))
-        assert y.shape == (6, TINY.dim) and torch.isfinite(y).all()
+        assert runner.bucket_for(6) == 4  # past the largest bucket: pieces of it
     with pytest.raises(ValueError, match="host"):
         runner.step(x, i32(0, 0, 0).to("meta"), i32(0, 1, 2))
+
+
+def test_steps_past_the_largest_bucket_equal_one_step_of_their_size():
+    """A 10-token step (a prefill chunk, two decodes, a second prefill) through buckets of 4
+    runs as pieces of 4, 4 and 2 tokens; it equals the same step through one bucket of 16,
+    each token's top-k picks, caches and states included, and a bad token in its last
+    piece changes nothing."""
+    pieces, whole = make_layer(2, max_tokens=16), make_layer(2, max_tokens=16)
+    by_pieces, by_whole = make_runner(pieces, buckets=(1, 2, 4)), make_runner(whole, buckets=(16,))
+    gen = torch.Generator().manual_seed(3)
+    steps = [(i32(*range(5), 0, 0, 0), i32(0, 0, 0, 0, 0, 1, 2, 3)),
+             (i32(*range(5, 11), 1, 1, *range(3)), i32(*[0] * 6, 1, 2, 3, 3, 3))]
+    with torch.no_grad():
+        for positions, rows in steps:
+            x = torch.randn(len(positions), TINY.dim, generator=gen).to(torch.bfloat16)
+            y = by_pieces.step(x, positions, rows)
+            assert y.shape == (len(positions), TINY.dim)
+            assert rel_err(y, by_whole.step(x, positions, rows)) < 1e-2
+            assert torch.equal(pieces.topk_ids[:len(positions)], whole.topk_ids[:len(positions)])  # each token's picks
+        before = {k: v.clone() for k, v in pieces.state_dict().items()}
+        for k, v in whole.state_dict().items():
+            assert rel_err(before[k], v) < 1e-2 if v.is_floating_point() else torch.equal(before[k], v), k
+        bad = i32(11, 12, 13, 14, 15, 16, 17, 18, 19, 25)  # the last token skips positions
+        with pytest.raises(ValueError):
+            by_pieces.step(torch.zeros(10, TINY.dim, dtype=torch.bfloat16), bad, i32(*[0] * 10))
+        for k, v in pieces.state_dict().items():
+            assert torch.equal(before[k], v), k
 
 
 class _Recorder:

@@ -1,8 +1,8 @@
 """GPU tests of the step's CUDA graphs (run on the device machine: ``pytest -m gpu``).
 
 The layer is the benchmark's V4.1-Flash ratio-2 layer (``graphs.bench.flash_layer``: 256
-request rows, 2048-token sequences, 64-token pages, steps up to 512 tokens, buckets
-1..512). A mixed workload of 70 steps (prompts of 5 to 1000 tokens prefilled in chunks of
+request rows, 2048-token sequences, 64-token pages, steps up to 512 tokens), captured at
+buckets 1..256, so steps of 257..512 tokens run as pieces of the 256 bucket. A mixed workload of 70 steps (prompts of 5 to 1000 tokens prefilled in chunks of
 up to 256 while others decode one token or a token plus up to 3 drafts, rejected drafts
 rewritten, request rows reused, up to 512 tokens per step) is replayed from the captured graphs and, on a deep
 copy, run eagerly; the two are compared token by token.
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.gpu
 WORKLOAD = mixed_workload([300, 40, 700, 130, 64, 1000, 5, 260, 90, 17, 450], 64, chunk=256, max_tokens=512, rows=8,
                           arrive_every=1, drafts=3)
 TOL = 3e-2
+BUCKETS = tuple(b for b in DEFAULT_BUCKETS if b <= 256)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def replayed():
     twin = StepRunner(copy.deepcopy(layer), compile=False, cuda_graphs=False)
     torch._dynamo.reset()
     counters.clear()
-    runner = StepRunner(layer)
+    runner = StepRunner(layer, BUCKETS)
     runner.capture()
     dynamo_graphs = counters["stats"]["unique_graphs"]
     breaks = sum(counters["graph_break"].values())
@@ -56,13 +57,13 @@ def replayed():
 def test_the_workload_mixes_every_step_kind():
     kinds = WORKLOAD.kinds()
     assert len(WORKLOAD.steps) >= 64 and kinds["prefill"] and kinds["decode"] and kinds["draft"]
-    assert max(WORKLOAD.tokens(s) for s in range(len(WORKLOAD.steps))) == 512
+    sizes = [WORKLOAD.tokens(s) for s in range(len(WORKLOAD.steps))]
+    assert max(sizes) == 512 and sum(size > BUCKETS[-1] for size in sizes) >= 4  # steps that run in pieces
 
 
 def test_one_cuda_graph_per_bucket(replayed):
     runner = replayed["runner"]
-    kept = [b for b in DEFAULT_BUCKETS if b <= runner.layer.cache_cfg.max_tokens]  # 1..512
-    assert sorted(runner.graphs) == kept and runner.captures == len(kept)
+    assert sorted(runner.graphs) == list(BUCKETS) and runner.captures == len(BUCKETS)
     assert replayed["breaks"] == 0
     assert replayed["dynamo_graphs"] == 1
 
@@ -178,7 +179,7 @@ def test_v41_cache_formats_replay_passes_the_oracle():
     layer = flash_layer(2, torch.device("cuda"), **V41_CACHE_FORMATS)
     torch._dynamo.reset()
     counters.clear()
-    runner = StepRunner(layer)
+    runner = StepRunner(layer, BUCKETS)
     runner.capture()
     assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
     xs = hidden_states(WORKLOAD, layer.cfg.dim, seed=3, device=layer.swa_cache.device)
