@@ -21,7 +21,7 @@
   engine would own them; :class:`PageChanges` -- a step's block-table changes, host to
   device.
 * :class:`LayerStep` / :class:`StepRunner` -- the step as one module; compile, capture one
-  CUDA graph per token bucket, pad, replay; larger steps compiled without a graph.
+  CUDA graph per token bucket, pad, replay; larger steps in pieces of the largest.
 * Configs: :class:`AttentionConfig`, :class:`CacheConfig`, presets :data:`V41_FLASH`,
   :data:`V4_FLASH`, :data:`V4_PRO`, :data:`TINY`, :data:`TINY_V41` (TINY with DeepSeek-V4.1's
   layer kinds).
