@@ -60,3 +60,27 @@ def test_the_decode_floor_counts_the_compressor_weights_the_step_reads():
                 p.add_(1e-4)
     layer.refresh_splits()
     assert read_weight_bytes(layer) == weight_bytes(layer)
+
+
+def test_prefill_flops_sum_each_layers_scored_entries():
+    """``prefill_flops`` of a stack is the sum of its layers' ``step_flops``, each index
+    layer scoring ``(p + 1) // ratio`` entries at position ``p``, a layer that scores inside
+    the candidate source's blocks at most their entries; readers score none."""
+    from graphs import TINY_V41, CacheConfig, DSV41Stack
+    from graphs.bench import prefill_flops, step_flops
+    from graphs.stack_job import TINY_PLAN
+
+    stack = DSV41Stack(TINY_V41, CacheConfig(2, 16, 64, 4), TINY_PLAN)
+    prompt, want = 40, 0.0
+    plan = TINY_PLAN
+    for block in stack.blocks:
+        layer = block.attn
+        entries = 0
+        if layer.indexer is not None:
+            cap = plan.candidate_topk_blocks * plan.candidate_block_size // layer.compress_ratio
+            entries = sum(min((p + 1) // layer.compress_ratio, cap if layer.uses_candidates else p + 1)
+                          for p in range(prompt))
+        assert prefill_flops(layer, prompt) == step_flops(layer, prompt, entries)
+        want += step_flops(layer, prompt, entries)
+    assert [b.attn.uses_candidates for b in stack.blocks if b.attn.indexer is not None] == [False, False, True]
+    assert prefill_flops(stack, prompt) == want
