@@ -111,10 +111,12 @@ def test_decode_sized_calls_are_weight_only(block):
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("M, N, K, splits", [(1, 64, 64, 1), (3, 200, 300, 3), (20, 128, 256, 2), (17, 384, 130, 2),
-                                             (2, 128, 1024, 8), (70, 256, 640, 5), (600, 2048, 256, 1), (1, 200, 1300, 11)])
+                                             (2, 128, 1024, 8), (70, 256, 640, 5), (600, 2048, 256, 1), (1, 200, 1300, 11),
+                                             (130, 96, 160, 2)])
 def test_triton_kernel_equals_the_reference(M, N, K, splits, block):
     """Quantized inside the GEMM as ``quantize_tokens`` does, with K split over ``splits``
-    programs per tile (fewer tiles than two per SM) or not (600 x 2048: 160 tiles)."""
+    programs per tile (fewer tiles than two per SM) or not (600 x 2048: 160 tiles); with
+    32-blocks past 256 tokens, both operands dequantized to bf16 and multiplied by torch."""
     from compile_ops.linear.reference import fp8_linear_reference
     from compile_ops.linear.triton import fp8_linear_triton, k_splits
 
@@ -129,8 +131,23 @@ def test_triton_kernel_equals_the_reference(M, N, K, splits, block):
         assert k_splits(M, N, K) == splits
 
 
+def test_dequantized_operands_are_the_quantized_values_exactly():
+    """The cuBLAS path of 32-blocks past their weight-only calls multiplies bf16 operands
+    that are the quantized values exactly: the weight times its ue8m0 scales, the tokens'
+    e4m3 codes times theirs (tiny, huge, zero and partial blocks included)."""
+    from compile_ops.linear.triton import dequantize_triton, round_tokens_triton
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(21, 200, generator=gen) * torch.logspace(-30, 30, 200)).bfloat16()
+    x[3, :32] = 0
+    xq, xs = quantize_tokens(x, 32)
+    assert torch.equal(round_tokens_triton(x).double(), xq.double() * xs.double().repeat_interleave(32, 1)[:, :200])
+    wq, ws = quantize_blocks(torch.randn(70, 200, generator=gen) * torch.logspace(-20, 20, 200), 32)
+    assert torch.equal(dequantize_triton(wq, ws.view(torch.uint8)).double(), dequantize_blocks(wq, ws).double())
+
+
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("M", [1, 19])
+@pytest.mark.parametrize("M", [1, 19, 300])
 def test_grouped_linear_equals_one_linear_per_group(M, block):
     """``groups = 4``: output columns of group g are x's K columns of group g times W_g."""
     from compile_ops.linear.reference import fp8_linear_reference
@@ -201,21 +218,20 @@ def gemm(scale, a="*fp8e4nv"):
     return {"a": a, "a_s": "*fp32", "b": "*fp8e4nv", "b_s": scale, "c": "*fp32", "M": "i32", "N": "i32",
             "K": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_ask": "i32", "stride_bn": "i32",
             "stride_bs": "i32", "stride_cm": "i32", "GROUP_N": "i32", "BLOCKS_PER_SPLIT": "i32", "BM": "constexpr",
-            "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr", "E8M0": "constexpr",
+            "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr",
             "BF16_A": "constexpr", "UPCAST": "constexpr", "SB": "constexpr", "SWAP": "constexpr"}
 
 
-for bm in (16, 64):
-    for bk, scale in ((128, "*fp32"), (32, "*u8")):
-        ptx = build(kernels._fp8_gemm_kernel, gemm(scale),
-                    {"BM": bm, "BN": 128, "BK": bk, "ITERS": 0, "PARTIAL": bm == 16, "E8M0": bk == 32,
-                     "BF16_A": False, "UPCAST": False, "SB": 0, "SWAP": False})
-        print(f"{bm}x{bk}", "wgmma" in ptx or "mma.sync" in ptx)
+for bm in (16, 64):  # the block-scaled GEMM: 128-blocks (32-blocks past weight-only run on cuBLAS)
+    ptx = build(kernels._fp8_gemm_kernel, gemm("*fp32"),
+                {"BM": bm, "BN": 128, "BK": 128, "ITERS": 0, "PARTIAL": bm == 16,
+                 "BF16_A": False, "UPCAST": False, "SB": 0, "SWAP": False})
+    print(f"{bm}x128", "wgmma" in ptx or "mma.sync" in ptx)
 # weight-only decode calls, bf16 tokens: 128-blocks, then 32-blocks' three tiles (weight_only_tile)
 for sb, bm, bn, bk, swap in ((0, 16, 128, 128, False), (32, 16, 64, 128, True), (32, 64, 64, 64, False),
                              (32, 128, 64, 64, False)):
     ptx = build(kernels._fp8_gemm_kernel, gemm("*u8" if sb else "*fp32", "*bf16"),
-                {"BM": bm, "BN": bn, "BK": bk, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "BF16_A": True,
+                {"BM": bm, "BN": bn, "BK": bk, "ITERS": 0, "PARTIAL": True, "BF16_A": True,
                  "UPCAST": False, "SB": sb, "SWAP": swap})
     # the weights widen to bf16 in integer arithmetic, not through the conversion unit
     print(f"bf16x{sb or 128}x{bm}", "wgmma" in ptx or "mma.sync" in ptx, "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx)
@@ -230,10 +246,19 @@ for sb, scale in ((128, "*fp32"), (32, "*u8")):
                 {"BN": 16, "BK": 512, "SB": sb, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "UPCAST": False})
     print(f"gemv{sb}", "fma.rn.f32" in ptx and ".ftz" not in ptx and "e4m3x2" not in ptx and "mma" not in ptx)
 quant = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
-         "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "POW2": "constexpr"}
+         "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "POW2": "constexpr", "ROUNDED": "constexpr"}
 for bk in (128, 32):
-    ptx = build(kernels._quantize_kernel, quant, {"BM": 16, "BK": bk, "QMAX": 448.0, "POW2": bk == 32})
+    ptx = build(kernels._quantize_kernel, quant, {"BM": 16, "BK": bk, "QMAX": 448.0, "POW2": bk == 32, "ROUNDED": False})
     print(f"quant{bk}", "div.rn.f32" in ptx)
+# the cuBLAS path of 32-blocks: tokens rounded to bf16 values, the weight dequantized
+ptx = build(kernels._quantize_kernel, {**quant, "q": "*bf16"}, {"BM": 16, "BK": 32, "QMAX": 448.0, "POW2": True,
+                                                               "ROUNDED": True})
+print("rounded32", "div.rn.f32" in ptx and "st.global" in ptx)
+dequant = {"w": "*fp8e4nv", "w_s": "*u8", "out": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+           "stride_sn": "i32", "stride_on": "i32", "BR": "constexpr", "BC": "constexpr", "SB": "constexpr",
+           "UPCAST": "constexpr"}
+ptx = build(kernels._dequantize_kernel, dequant, {"BR": 32, "BC": 512, "SB": 32, "UPCAST": False})
+print("dequant32", "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx)
 """
 
 
@@ -301,7 +326,7 @@ def test_gpu_decode_gemv_reads_every_e4m3_value_exactly(block):
 
 def test_kernel_builds_for_sm90():
     """The launches the GPU runs (GEMM tiles of 16 and 64 rows, both layouts, weight-only
-    tiles, the quantizer), compiled for
+    tiles, the quantizer, the cuBLAS path's rounding and dequantizer), compiled for
     sm_90 without a GPU (the weight-only tiles with no e4m3 -> f16 -> bf16 conversions): in a
     process of its own, since the interpreter (TRITON_INTERPRET=1 here) patches Triton's
     language module for the whole process."""
@@ -313,9 +338,10 @@ def test_kernel_builds_for_sm90():
     run = subprocess.run([sys.executable, "-c", SM90_BUILD], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     # tensor-core MMAs, and correctly rounded divisions in the quantizer
-    assert run.stdout.split() == ["16x128", "True", "16x32", "True", "64x128", "True", "64x32", "True",
+    assert run.stdout.split() == ["16x128", "True", "64x128", "True",
                                   "bf16x128x16", "True", "True", "bf16x32x16", "True", "True", "bf16x32x64", "True", "True", "bf16x32x128", "True", "True",
-                                  "gemv128", "True", "gemv32", "True", "quant128", "True", "quant32", "True"], run.stdout
+                                  "gemv128", "True", "gemv32", "True", "quant128", "True", "quant32", "True",
+                                  "rounded32", "True", "dequant32", "True"], run.stdout
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -43,6 +43,11 @@ QUANT_ROWS = 16  # token rows per program of the quantizer
 # from two tokens on the MMA path is faster (docs/performance-decode.md has the sweep)
 GEMV_TOKENS = 1
 GEMV_PROGRAMS = 3 * TARGET_PROGRAMS // 2  # three per SM
+# 32-blocks past their weight-only calls: the weight dequantized to bf16 once and the tokens
+# rounded to their e4m3 values, both exact in bf16, so cuBLAS's bf16 product is the op's;
+# the block-scaled MMA path rescales its accumulator every 32 of K, which keeps the tensor
+# cores waiting (docs/performance-decode.md has the sweep). The dequantizer's program takes
+DEQUANT_TILE = (32, 512)  # weight rows x columns
 
 
 def weight_only_tile(M: int) -> tuple[int, int, int, bool, int]:
@@ -58,7 +63,9 @@ def weight_only_tile(M: int) -> tuple[int, int, int, bool, int]:
 
 @triton.jit
 def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexpr, QMAX: tl.constexpr,
-                     POW2: tl.constexpr):
+                     POW2: tl.constexpr, ROUNDED: tl.constexpr = False):
+    # ROUNDED: q is bf16 and takes each value as its e4m3 code times the scale (exact in bf16
+    # for power-of-two scales), s is not written
     i_m, i_k = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -73,8 +80,11 @@ def _quantize_kernel(x, q, s, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexp
     # rounded before the cast, which then is exact: Triton's fp32 -> e4m3 cast may round
     # twice (through fp16) on the GPU, and does not carry into the exponent in the interpreter
     v = round_to_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -QMAX, QMAX))
-    tl.store(q + o_m[:, None].to(tl.int64) * K + o_k[None, :], v.to(tl.float8e4nv), mask=mask)
-    tl.store(s + i_k.to(tl.int64) * M + o_m, scale, mask=o_m < M)
+    if ROUNDED:
+        tl.store(q + o_m[:, None].to(tl.int64) * K + o_k[None, :], (v * scale[:, None]).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(q + o_m[:, None].to(tl.int64) * K + o_k[None, :], v.to(tl.float8e4nv), mask=mask)
+        tl.store(s + i_k.to(tl.int64) * M + o_m, scale, mask=o_m < M)
 
 
 def quantize_tokens_triton(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,13 +100,23 @@ def quantize_tokens_triton(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.T
     return q, scale.t()
 
 
+def round_tokens_triton(x: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[M, K]``: ``x`` rounded as ``quantize_tokens(x, 32)`` rounds it, each value its
+    e4m3 code times its power-of-two block scale (exact in bf16)."""
+    M, K = x.shape
+    x = x.contiguous()
+    out = torch.empty(M, K, dtype=torch.bfloat16, device=x.device)
+    launchable(_quantize_kernel, x)[(triton.cdiv(M, QUANT_ROWS), triton.cdiv(K, 32))](
+        x, out, out, M, K, x.stride(0), BM=QUANT_ROWS, BK=32, QMAX=E4M3_MAX, POW2=True, ROUNDED=True)
+    return out
+
+
 @triton.jit
 def _fp8_gemm_kernel(
     a, a_s, b, b_s, c, M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bs, stride_cm, GROUP_N,
     BLOCKS_PER_SPLIT,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ITERS: tl.constexpr, PARTIAL: tl.constexpr,
-    E8M0: tl.constexpr, BF16_A: tl.constexpr = False, UPCAST: tl.constexpr = False, SB: tl.constexpr = 0,
-    SWAP: tl.constexpr = False,
+    BF16_A: tl.constexpr = False, UPCAST: tl.constexpr = False, SB: tl.constexpr = 0, SWAP: tl.constexpr = False,
 ):
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -152,11 +172,7 @@ def _fp8_gemm_kernel(
             else:
                 part = tl.dot(t_a, tl.trans(t_b), max_num_imprecise_acc=0)
                 s_a = tl.load(a_s + o_m * stride_asm + i * stride_ask, mask=m_m & live_m, other=0.0)
-            if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
-                s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live_n, other=0).to(tl.int32)
-                s_b = (s_b << 23).to(tl.float32, bitcast=True)
-            else:
-                s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live_n, other=0.0)
+            s_b = tl.load(b_s + (o_n // BK) * stride_bs + i, mask=m_n & live_n, other=0.0)
             acc += part * s_a[:, None] * s_b[None, :]
     if SWAP:
         acc = tl.trans(acc)
@@ -213,6 +229,36 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
+def _dequantize_kernel(w, w_s, out, N, K, stride_wn, stride_sn, stride_on, BR: tl.constexpr, BC: tl.constexpr,
+                       SB: tl.constexpr, UPCAST: tl.constexpr):
+    # program (r, c): weight rows r * BR .. and columns c * BC .. times their ue8m0 block
+    # scales, into bf16 (exact: an e4m3 value times a power of two is a bf16 value)
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    m = (o_r < N)[:, None] & (o_c < K)[None, :]
+    t_w = tl.load(w + o_r[:, None].to(tl.int64) * stride_wn + o_c[None, :], mask=m, other=0.0)
+    e = tl.load(w_s + (o_r // SB)[:, None] * stride_sn + (o_c // SB)[None, :], mask=m, other=0).to(tl.int32)
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    if UPCAST:
+        y = (t_w.to(tl.float32) * scale).to(tl.bfloat16)
+    else:
+        y = e4m3_to_bf16(t_w) * scale.to(tl.bfloat16)
+    tl.store(out + o_r[:, None].to(tl.int64) * stride_on + o_c[None, :], y, mask=m)
+
+
+def dequantize_triton(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[N, K]`` of an e4m3 ``weight [N, K]`` with ue8m0 ``weight_scale [ceil(N/32),
+    ceil(K/32)]`` (uint8 view), exactly ``weight * scale``."""
+    N, K = weight.shape
+    out = torch.empty(N, K, dtype=torch.bfloat16, device=weight.device)
+    BR, BC = DEQUANT_TILE
+    launchable(_dequantize_kernel, weight)[(triton.cdiv(N, BR), triton.cdiv(K, BC))](
+        weight, weight_scale, out, N, K, weight.stride(0), weight_scale.stride(0), out.stride(0), BR=BR, BC=BC,
+        SB=32, UPCAST=INTERPRET)
+    return out
+
+
+@triton.jit
 def _sum_splits_kernel(partials, c, MN, SPLITS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     o = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     m = o < MN
@@ -254,20 +300,24 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     """bf16 ``[M, N]`` of ``x [M, groups * K]`` (bf16 or fp32; quantized per token per block
     past the layout's ``weight_only_tokens``, else taken in bf16 against the weight
     dequantized in registers) times e4m3 ``weight [N, K]`` (scales ``[ceil(N/block), ceil(K/block)]``, fp32
-    or ue8m0) transposed, per group."""
+    or ue8m0) transposed, per group. With ue8m0 scales past ``weight_only_tokens``, the
+    weight is dequantized to a bf16 temporary (``N * K * 2`` bytes) and the tokens rounded
+    to their e4m3 values in bf16, and cuBLAS multiplies them."""
     layout = layout_of_scale(weight_scale)
     block = layout.block
     M = x.shape[0]
     N, K = weight.shape
     weight_only = M <= layout.weight_only_tokens
-    if weight_only:
-        xq, x_scale = x.contiguous().to(torch.bfloat16), x.new_empty((0, 0), dtype=torch.float32)
-    else:
-        xq, x_scale = quantize_tokens_triton(x, block)
     weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
     if layout.power_of_two:
         weight_scale = weight_scale.view(torch.uint8)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if layout.power_of_two and not weight_only:  # both operands in bf16, exactly, on cuBLAS
+        return _dequantized_mm(round_tokens_triton(x), dequantize_triton(weight, weight_scale), groups, out)
+    if weight_only:
+        xq, x_scale = x.contiguous().to(torch.bfloat16), x.new_empty((0, 0), dtype=torch.float32)
+    else:
+        xq, x_scale = quantize_tokens_triton(x, block)
     if M <= GEMV_TOKENS:
         BN, BK = gemv_tile(N, K)
         splits = k_splits(M, N, K, BK, BN, GEMV_PROGRAMS, 1)
@@ -289,11 +339,22 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     launchable(_fp8_gemm_kernel, x)[(triton.cdiv(M, BM), triton.cdiv(N, BN), splits)](
         xq, x_scale, weight, weight_scale, target, M, N, K, xq.stride(0), x_scale.stride(0), x_scale.stride(1),
         weight.stride(0), weight_scale.stride(0), N, N // groups, per_split,
-        BM=BM, BN=BN, BK=step, ITERS=per_split if INTERPRET else 0, PARTIAL=splits > 1, E8M0=layout.power_of_two,
+        BM=BM, BN=BN, BK=step, ITERS=per_split if INTERPRET else 0, PARTIAL=splits > 1,
         BF16_A=weight_only, UPCAST=INTERPRET, SB=block if wide else 0, SWAP=swap,
         num_warps=4 if wide or BM > 16 else 8,
     )
     return _sum_splits(target, out)
+
+
+def _dequantized_mm(x: torch.Tensor, w: torch.Tensor, groups: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (bf16 ``[M, N]``) = ``x [M, groups * K]`` bf16 times the bf16 weight ``w [N, K]``
+    transposed, per group, on cuBLAS (fp32 accumulation)."""
+    if groups == 1:
+        return torch.mm(x, w.t(), out=out)
+    M, (N, K) = x.shape[0], w.shape
+    torch.bmm(x.view(M, groups, K).transpose(0, 1), w.view(groups, N // groups, K).transpose(1, 2),
+              out=out.view(M, groups, N // groups).transpose(0, 1))
+    return out
 
 
 def _split_target(splits: int, M: int, N: int, out: torch.Tensor) -> torch.Tensor:
