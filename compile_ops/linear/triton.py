@@ -46,8 +46,8 @@ GEMV_PROGRAMS = 3 * TARGET_PROGRAMS // 2  # three per SM
 # 32-blocks past their weight-only calls: the weight dequantized to bf16 once and the tokens
 # rounded to their e4m3 values, both exact in bf16, so cuBLAS's bf16 product is the op's;
 # the block-scaled MMA path rescales its accumulator every 32 of K, which keeps the tensor
-# cores waiting (docs/performance-decode.md has the sweep). The dequantizer's program takes
-DEQUANT_TILE = (32, 512)  # weight rows x columns
+# cores waiting (docs/performance-decode.md has the sweep)
+DEQUANT_TILE = (32, 512)  # weight rows x columns per program of the dequantizer
 
 
 def weight_only_tile(M: int) -> tuple[int, int, int, bool, int]:
