@@ -23,11 +23,12 @@ pytest.importorskip("triton")
 # "window+compressed": a call of two formats (DeepSeek-V4.1's)
 FORMATS = ["bf16", "fp8", "fp8_ds_mla", "fp8_dsv41", "fp4_dsv41", "fp8_dsv41+fp4_dsv41"]
 BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
-# the indexer's scores kernel (compile_ops/indexer/gluon.py): "indexer:format:heads:restrict:page shift:groups"
-# (V4.1's 32 index heads and V4's 64; candidate blocks or not; power-of-two pages or any;
-# writing the top-k's group maxima or not)
-INDEXER_BUILDS = [f"indexer:{fmt}:{build}" for fmt in ("fp4", "fp8")
-                  for build in ("32:0:6:0", "32:1:-1:1", "64:0:5:1", "64:1:6:0", "16:0:6:1")]
+# the indexer's scores kernel (compile_ops/indexer/gluon.py):
+# "indexer:format:heads:restrict:page shift:groups:tokens" (V4.1's 32 index heads and V4's 64;
+# candidate blocks or not; power-of-two pages or any; writing the top-k's group maxima or not;
+# one token a program or a prefill step's blocks of them)
+INDEXER_BUILDS = [f"indexer:{fmt}:{build}:{tokens}" for fmt in ("fp4", "fp8")
+                  for build in ("32:0:6:0", "32:1:-1:1", "64:0:5:1", "64:1:6:0", "16:0:6:1") for tokens in (1, 4)]
 
 SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt into on sm_90
 POINTER_TYPES = {
@@ -72,10 +73,11 @@ def build_sm90(kv_format, dsplit):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
 
-def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift: int, groups: bool):
+def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift: int, groups: bool, tokens: int):
     """:func:`compile_ops.indexer.gluon._scores_kernel` compiled for sm_90 as
     :func:`compile_ops.indexer.gluon.launch_scores_gluon` launches it for ``heads`` index heads
-    over ``index_format`` keys (``groups``: writing the top-k's group maxima too)."""
+    over ``index_format`` keys (``groups``: writing the top-k's group maxima too), ``tokens``
+    tokens a program."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -87,14 +89,15 @@ def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift
     names = list(inspect.signature(kernel.fn).parameters)
     types = dict(q="*bf16", w="*fp32", t2r="*i32", n_entries="*i32", cache="*u8", table="*i32", allowed="*i8",
                  scores="*fp32", n_out="*i32", gmax="*fp32", g_counts="*i32")
-    options = dict(HI=max(16, heads), RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift, STAGES=gluon.STAGES,
+    options = dict(HI=max(16, heads), TB=tokens, RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift, STAGES=gluon.STAGES,
                    FP4=index_format == "fp4", GROUPS=groups, G=TOPK_GROUP)
     signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if signature[n].startswith("*")
                or n in ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at", "s_gt")}
     source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in options.items()}, aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=gluon.max_registers(tokens, index_format == "fp4")))
 
 
 def build_report(build):
@@ -103,8 +106,9 @@ def build_report(build):
     from sm90_build import full_sass
 
     if build.startswith("indexer:"):
-        _, index_format, heads, restrict, page_shift, groups = build.split(":")
-        compiled = build_indexer_sm90(index_format, int(heads), restrict == "1", int(page_shift), groups == "1")
+        _, index_format, heads, restrict, page_shift, groups, tokens = build.split(":")
+        compiled = build_indexer_sm90(index_format, int(heads), restrict == "1", int(page_shift), groups == "1",
+                                      int(tokens))
         sass = full_sass(compiled.asm["cubin"])
         return dict(shared=compiled.metadata.shared, spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
                     wgmma=sass.count("QGMMA"), copies=sass.count("LDGSTS.E.BYPASS.128"))

@@ -179,16 +179,18 @@ def test_gpu_causal_prefill_chunk():
 
 
 @pytest.mark.parametrize("index_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("backend", ["gluon", "triton"])
 @pytest.mark.parametrize("page_size", [32, 64])
-def test_gpu_prefill_token_blocks_on_the_tl_kernel(index_format, page_size):
-    """Prefill chunks on the ``tl`` scores kernel, several tokens a program
-    (``scores_tokens``): one request's 1 024-token chunk, and chunks of three requests whose
-    runs (333, 500 and 191 tokens) start and end inside the programs' token blocks: ids
-    in both orders equal the reference's."""
-    from compile_ops.indexer.triton import scores_tokens
+def test_gpu_prefill_token_blocks_on_both_scores_kernels(backend, index_format, page_size):
+    """Prefill chunks on each scores kernel, several tokens a program (``scores_tokens``):
+    one request's 1 024-token chunk, and chunks of three requests whose runs (333, 500 and
+    191 tokens) start and end inside the programs' token blocks, with and without candidate
+    blocks (each token its own): ids in both orders equal the reference's."""
+    from compile_ops.indexer.gluon import GLUON_TOKENS
+    from compile_ops.indexer.triton import SCORES_TOKENS, scores_tokens
 
     one = big_problem(1024, 32, 8192, page_size=page_size, causal=True, index_format=index_format)
-    assert scores_tokens(1024, 1) == 4
+    assert scores_tokens(1024, 1) == SCORES_TOKENS and scores_tokens(1024, 1, GLUON_TOKENS) == GLUON_TOKENS > 1
     q, weights, cache, _, _, _ = big_problem(1024, 32, 8192, page_size=page_size, index_format=index_format)
     lengths = torch.tensor([333, 500, 191], device="cuda")
     rows = torch.repeat_interleave(torch.arange(3, device="cuda", dtype=i32), lengths)
@@ -196,10 +198,12 @@ def test_gpu_prefill_token_blocks_on_the_tl_kernel(index_format, page_size):
     n = (8192 - (last - torch.arange(1024, device="cuda"))).to(i32)
     B = 8192 // page_size
     table = torch.randperm(cache.shape[0], device="cuda")[: 3 * B].view(3, B).to(i32)
-    for args in (one, (q, weights, cache, table, rows, n)):
+    three = (q, weights, cache, table, rows, n)
+    cand = torch.randint(-1, 8192 // 64, (1024, 48), device="cuda", dtype=i32)
+    for args, kw in ((one, {}), (three, {}), (three, dict(candidates=cand, candidate_block=64))):
         for order in ("score", "id"):
-            got, want = both(args, 512, index_format, "triton", order=order)
-            assert torch.equal(got, want), order
+            got, want = both(args, 512, index_format, backend, order=order, **kw)
+            assert torch.equal(got, want), (order, kw.keys())
 
 
 def test_gpu_graph_replay_new_lengths_no_sync():

@@ -30,11 +30,15 @@ one power-of-two scale per head, folded into its weight, as the portable kernel 
   (exact within 14 binades of it, :func:`_store_query`) and the head's scale joins its
   weight, so a score is the reference's sum of exact products, summed in fp32.
 
-Program ``(t, s)`` takes blocks ``s, s + S, ...`` of token ``t``'s entries, as the portable
-kernel does, and stores the same scores (``-inf`` at holes, outside the candidate blocks
-and nowhere past the token's count); for rows long enough that their top-k starts from
-groups of 16 entries, the groups' best scores too (a warp's 16 rows of the product are one
-group: a reduction within the warp).
+Program ``(b, s)`` takes ``TB`` consecutive tokens (:func:`compile_ops.indexer.triton.scores_tokens`:
+one where a step may be all decode, up to :data:`GLUON_TOKENS` in a prefill step) and blocks
+``s, s + S, ...`` of their entries, as the portable kernel does: each request run among the
+tokens reads a key block once into the ring, and every token of the run multiplies it by its
+own queries (all ``TB`` tokens' queries stay in shared memory), so a prefill chunk of one
+request reads its keys ``TB`` times fewer than one token a program does. It stores the same
+scores (``-inf`` at holes, outside the token's candidate blocks and nowhere past its count);
+for rows long enough that their top-k starts from groups of 16 entries, the groups' best
+scores too (a warp's 16 rows of the product are one group: a reduction within the warp).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from compile_ops._triton_quant import (_E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, p
 from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
 from compile_ops.indexer.triton import (BN, TOPK_GROUP, GroupMaxima, _local_count, _store_group_counts,
                                         indexer_candidates_triton, indexer_topk_and_candidates_triton,
-                                        indexer_topk_triton)
+                                        indexer_topk_triton, scores_tokens)
 from compile_ops.mla.gluon import _async_load, _cta_barrier
 from compile_ops.mla.plan import num_sms
 
@@ -67,6 +71,12 @@ STAGES = 4  # key blocks in the ring (a power of two): three copies in flight wh
 # the copies stay 16 bytes, and a warp's word loads (8 rows, one chunk each) hit 32 banks
 KEY_SWIZZLE = gl.constexpr(gl.SwizzledSharedLayout(16, 2, 4, [1, 0]))
 GLUON_MAX_HEADS = 64  # four [64, heads] fp32 products in registers
+# most tokens of one request a program takes in a prefill step: each key block it reads serves
+# them all (their queries, 8 KB a token at 64 heads, stay in shared memory)
+GLUON_TOKENS = 4
+# registers a thread of a several-token fp8 program may hold: three programs an SM (the
+# compiler's own choice, about 200, leaves room for two), without spills (tests/test_gluon_build.py)
+PREFILL_FP8_REGISTERS = 168
 
 
 @gluon.jit
@@ -80,8 +90,8 @@ def _query_block(p_q, m_h, g: gl.constexpr, QL: gl.constexpr):
 
 
 @gluon.jit
-def _store_query(q_smem, code, exponent, top, g: gl.constexpr):
-    """Block ``g``'s query values times ``2 ** (133 - top)`` as e4m3 into ``q_smem[g]``: the
+def _store_query(q_smem, code, exponent, top, g):
+    """A block's query values times ``2 ** (133 - top)`` as e4m3 into ``q_smem[g]``: the
     head's largest block (exponent ``top``) as its e2m1 values times ``2**6`` (at most 384),
     a block ``d`` binades below it times ``2 ** (6 - d)``, exact for ``d <= 14`` (e4m3's
     smallest step is ``2**-9``); a block further below, whose products are under ``2**-14``
@@ -141,15 +151,16 @@ def _operand(packed, A_L: gl.constexpr):
 
 
 @gluon.jit
-def _block_scores(k0, k1, k2, k3, exps, q_smem, b_w, zero, A_L: gl.constexpr):
-    """``[BN]`` scores of one block of keys (four ``[BN, 16]`` uint8 words a row, one per
-    block of 32 values, and ``exps``, the rows' ue8m0 bytes): four 32-deep e4m3 products
-    (issued together, one wait), each times its key block's power-of-two scale, summed,
-    then ``sum_h w[h] relu(.)`` (the query's scales are in its values and in ``b_w``)."""
-    a0 = warpgroup_mma(_operand(k0, A_L), q_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    a1 = warpgroup_mma(_operand(k1, A_L), q_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-    a2 = warpgroup_mma(_operand(k2, A_L), q_smem.index(2).permute((1, 0)), zero, use_acc=False, is_async=True)
-    a3 = warpgroup_mma(_operand(k3, A_L), q_smem.index(3).permute((1, 0)), zero, use_acc=False, is_async=True)
+def _block_scores(o0, o1, o2, o3, exps, q_smem, first: gl.constexpr, b_w, zero):
+    """``[BN]`` scores of one block of keys for one token (``o0 .. o3``: the keys' operands of
+    its four blocks of 32 values, :func:`_operand`; ``exps``: the rows' ue8m0 bytes;
+    ``q_smem[first:first + 4]``: the token's query blocks ``[HI, 32]``): four 32-deep e4m3 products (issued
+    together, one wait), each times its key block's power-of-two scale, summed, then
+    ``sum_h w[h] relu(.)`` (the query's scales are in its values and in ``b_w``)."""
+    a0 = warpgroup_mma(o0, q_smem.index(first).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a1 = warpgroup_mma(o1, q_smem.index(first + 1).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a2 = warpgroup_mma(o2, q_smem.index(first + 2).permute((1, 0)), zero, use_acc=False, is_async=True)
+    a3 = warpgroup_mma(o3, q_smem.index(first + 3).permute((1, 0)), zero, use_acc=False, is_async=True)
     a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
     x = a0 * _key_scale(exps, 0)[:, None]
     x = a1 * _key_scale(exps, 1)[:, None] + x
@@ -165,8 +176,8 @@ def _key_scale(exps, g: gl.constexpr):
 
 
 @gluon.jit
-def _fp4_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, COL: gl.constexpr):
-    """Token ``i_t``'s queries quantized like fp4 keys into ``q_smem [4, HI, 32]`` e4m3
+def _fp4_query(q_smem, first, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, COL: gl.constexpr):
+    """Token ``i_t``'s queries quantized like fp4 keys into ``q_smem[first:first + 4]`` ``[HI, 32]`` e4m3
     (:func:`_store_query`); returns its weights times each head's scale ``[HI]`` fp32."""
     QL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     o_h = gl.arange(0, HI, gl.SliceLayout(1, QL))
@@ -177,10 +188,10 @@ def _fp4_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, COL: g
     c2, e2 = _query_block(p_q, m_h, 2, QL)
     c3, e3 = _query_block(p_q, m_h, 3, QL)
     top = gl.maximum(gl.maximum(e0, e1), gl.maximum(e2, e3))
-    _store_query(q_smem, c0, e0, top, 0)
-    _store_query(q_smem, c1, e1, top, 1)
-    _store_query(q_smem, c2, e2, top, 2)
-    _store_query(q_smem, c3, e3, top, 3)
+    _store_query(q_smem, c0, e0, top, first)
+    _store_query(q_smem, c1, e1, top, first + 1)
+    _store_query(q_smem, c2, e2, top, first + 2)
+    _store_query(q_smem, c3, e3, top, first + 3)
     # the head's scale 2 ** (top - 127) over _store_query's 2**6, times the keys' 2**6 (e2m1_as_e4m3)
     o_w = gl.arange(0, HI, COL)
     return gl.load(w + i_t * s_wt + o_w, mask=o_w < Hi, other=0.0) * gl.convert_layout(power_of_two(top), COL)
@@ -203,18 +214,40 @@ def _fp8_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, COL: g
 
 
 @gluon.jit
+def _token_scores(b_s, valid, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, allowed, s_at, gmax, s_gt,
+                  rank, world, interleave, block, nb, RESTRICT: gl.constexpr, BN: gl.constexpr, G: gl.constexpr,
+                  GROUPS: gl.constexpr):
+    """Token ``t`` (index ``i_t`` of the program's block) of a run (``run_j`` of the block's
+    tokens ``o_j``, counts ``n_j``): its scores ``b_s [BN]`` of entries ``first ..`` (``-inf``
+    where not ``valid`` and, with ``RESTRICT``, outside its candidate blocks) stored up to its
+    own count, and the top-k's group maxima of them."""
+    c = first + gl.arange(0, BN, b_s.type.layout)
+    n_t = gl.sum(gl.where((o_j == i_t) & run_j, n_j, 0), 0)  # 0: not in the run
+    if RESTRICT:  # entries outside the token's candidate blocks (global ids) score -inf
+        g_blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
+        valid = valid & (gl.load(allowed + t * s_at + g_blk, mask=valid & (g_blk < nb), other=0) != 0)
+    b_s = gl.where(valid, b_s, float("-inf"))
+    gl.store(p_scores + t.to(gl.int64) * s_st + c, b_s, mask=c < n_t)
+    if GROUPS:  # the top-k's first pass, while the scores are in registers (a warp's rows: one group)
+        best = gl.max(gl.reshape(gl.where(b_s > float("-inf"), b_s, float("-inf")), [BN // G, G]), 1)
+        o_g = first // G + gl.arange(0, BN // G, best.type.layout)
+        gl.store(gmax + t.to(gl.int64) * s_gt + o_g, best, mask=o_g < gl.cdiv(n_t, G))
+
+
+@gluon.jit
 def _scores_kernel(
     q, w, t2r, n_entries, cache, table, allowed, scores, n_out, gmax, g_counts,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
     rank, world, interleave, block, nb, K,
-    HI: gl.constexpr, RESTRICT: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr,
-    FP4: gl.constexpr, GROUPS: gl.constexpr, G: gl.constexpr,
+    HI: gl.constexpr, TB: gl.constexpr, RESTRICT: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+    STAGES: gl.constexpr, FP4: gl.constexpr, GROUPS: gl.constexpr, G: gl.constexpr,
 ):
-    """Program ``(t, s)``: ``scores[t, c] = sum_h w[t, h] * relu(q[t, h] . key[c])`` (fp8: times
-    the key's scale) for token ``t``'s blocks ``s, s + S, ...`` of ``BN`` entries (``-inf`` at
-    holes and outside its candidate blocks), ``n_out[t]`` its local count (program 0); with
-    ``GROUPS`` the top-k's group maxima and counts too
-    (:class:`compile_ops.indexer.triton.GroupMaxima`)."""
+    """Program ``(b, s)``: for each of tokens ``b TB .. b TB + TB - 1``, ``scores[t, c] = sum_h
+    w[t, h] * relu(q[t, h] . key[c])`` (fp8: times the key's scale) over blocks ``s, s + S,
+    ...`` of ``BN`` entries (``-inf`` at holes and outside its candidate blocks), each
+    request run among the tokens reading its keys once for all of them (up to the run's
+    largest count); ``n_out[t]`` the local counts (program 0); with ``GROUPS`` the top-k's
+    group maxima and counts too (:class:`compile_ops.indexer.triton.GroupMaxima`)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HI, 32])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4)
     # A_L's registers, lanes and warps for one block's 16 packed bytes: a lane's word per row
@@ -223,95 +256,128 @@ def _scores_kernel(
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BN, 16])
     ROW: gl.constexpr = gl.SliceLayout(1, ACC)
     COL: gl.constexpr = gl.SliceLayout(0, ACC)
+    JL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # the program's tokens
     ROW_BYTES: gl.constexpr = 64 if FP4 else 128
     # the copies: 16 bytes a lane, a row's bytes over ROW_BYTES // 16 lanes
     CPL: gl.constexpr = gl.BlockedLayout([1, 16], [512 // ROW_BYTES, ROW_BYTES // 16], [4, 1], [1, 0])
     CROW: gl.constexpr = gl.SliceLayout(1, CPL)
+    # one token's candidate blocks restrict its copies; a block of tokens restricts each one's scores
+    COPY_RESTRICT: gl.constexpr = RESTRICT and TB == 1
 
-    i_t, i_s = gl.program_id(0), gl.program_id(1)
-    row, n_t = _local_count(t2r, n_entries, i_t, R, L, rank, world, interleave)
+    i_b, i_s = gl.program_id(0), gl.program_id(1)
+    o_j = gl.arange(0, TB, JL)
+    t_j = i_b * TB + o_j
+    m_j = t_j < T
+    row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
     if i_s == 0:
-        gl.store(n_out + i_t, n_t)
+        gl.store(n_out + t_j, n_j, mask=m_j)
         if GROUPS:
-            _store_group_counts(g_counts, i_t, T, n_t, K, G)
-    nb_t = gl.cdiv(n_t, BN)
-    if i_s < nb_t:
+            _store_group_counts(g_counts, t_j, T, n_j, K, G, m_j)
+    if i_s < gl.cdiv(gl.max(n_j, 0), BN):
+        w_smem = gl.allocate_shared_memory(gl.float32, [TB, HI], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         if FP4:
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, HI, 32],
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [4 * TB, HI, 32],
                                                gl.NVMMASharedLayout.get_default_for([HI, 32], gl.float8e4nv))
-            b_w = _fp4_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI, COL)
+            for u in range(TB):  # (a loop, not unrolled: one token's query in registers at a time)
+                t = i_b * TB + u
+                w_smem.index(u).store(_fp4_query(q_smem, 4 * u, q, w, t, s_qt, s_qh, s_wt,
+                                                 gl.where(t < T, Hi, 0), HI, COL))
             # registers are the products' operand: a swizzle for the word loads
             kbuf = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], KEY_SWIZZLE)
         else:
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [HI, 128],
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [TB, HI, 128],
                                                gl.NVMMASharedLayout.get_default_for([HI, 128], gl.float8e4nv))
-            b_w = _fp8_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI, COL)
+            for u in range(TB):
+                t = i_b * TB + u
+                w_smem.index(u).store(_fp8_query(q_smem.index(u), q, w, t, s_qt, s_qh, s_wt,
+                                                 gl.where(t < T, Hi, 0), HI, COL))
             # the products read the keys from shared memory: the MMA's layout
             kbuf = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128],
                                              gl.NVMMASharedLayout.get_default_for([BN, 128], gl.float8e4nv))
         fence_async_shared()
         zero = gl.zeros([BN, HI], gl.float32, ACC)
-        p_s = scores + i_t.to(gl.int64) * s_st
         ebuf = gl.allocate_shared_memory(gl.int32, [STAGES, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        # blocks i_s, i_s + S, ... in a ring of STAGES slots: STAGES - 1 copies in flight
-        for j in gl.static_range(STAGES - 1):
-            page = _pages(table, row, n_t, i_s + j * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
-            _copy_block(kbuf, ebuf, vbuf, j, page, cache, allowed, i_t, n_t, i_s + j * S, s_page, s_at, num_slots,
-                        page_size, rank, world, interleave, block, nb, RESTRICT, PAGE_SHIFT, BN, ROW_BYTES, CPL)
-        page = _pages(table, row, n_t, i_s + (STAGES - 1) * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
-        for i in range(0, gl.cdiv(nb_t - i_s, S)):
-            blk = i_s + i * S
-            ahead = blk + (STAGES - 1) * S
-            next_page = _pages(table, row, n_t, ahead + S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
-            async_copy.wait_group(STAGES - 2)  # this thread's copies of block blk have landed ...
-            if not FP4:
-                fence_async_shared()  # ... visible to the tensor cores' reads ...
-            _cta_barrier()  # ... and every thread's; the slot refilled below was read one step ago
-            st = i % STAGES
-            keys = kbuf.index(st)
-            if not FP4:  # one 128-deep product from shared memory, issued before the next copy
-                acc = warpgroup_mma(keys, q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-            _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead, s_page,
-                        s_at, num_slots, page_size, rank, world, interleave, block, nb, RESTRICT, PAGE_SHIFT, BN,
-                        ROW_BYTES, CPL)
-            if FP4:
-                b_s = _block_scores(keys.slice(0, 16, dim=1).load(KL), keys.slice(16, 16, dim=1).load(KL),
-                                    keys.slice(32, 16, dim=1).load(KL), keys.slice(48, 16, dim=1).load(KL),
-                                    ebuf.index(st).load(ROW), q_smem, b_w, zero, A_L)
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                b_s = gl.sum(gl.maximum(acc, 0.0) * b_w[None, :], 1) * ebuf.index(st).load(ROW).to(gl.float32,
-                                                                                                bitcast=True)
-            c = blk * BN + gl.arange(0, BN, ROW)
-            b_s = gl.where(vbuf.index(st).load(ROW) != 0, b_s, float("-inf"))
-            gl.store(p_s + c, b_s, mask=c < n_t)
-            if GROUPS:  # the top-k's first pass, while the scores are in registers (a warp's rows: one group)
-                best = gl.max(gl.reshape(gl.where(b_s > float("-inf"), b_s, float("-inf")), [BN // G, G]), 1)
-                o_g = blk * (BN // G) + gl.arange(0, BN // G, best.type.layout)
-                gl.store(gmax + i_t.to(gl.int64) * s_gt + o_g, best, mask=o_g < gl.cdiv(n_t, G))
-            page = next_page
-        async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
+        # a request's tokens are contiguous in a step: the block holds runs of a few rows
+        for g in range(TB):
+            row = gl.sum(gl.where(o_j == g, row_j, 0), 0)
+            before = gl.sum(gl.where(o_j == g - 1, row_j + 1, 0), 0) - 1  # the row of token g - 1 (-1: none)
+            run_j = (row_j == row) & (o_j >= g) & m_j
+            n_t = gl.max(gl.where(run_j, n_j, 0), 0)
+            nb_t = gl.cdiv(n_t, BN)
+            if (row != before) & (i_s < nb_t):  # a run starts at token g
+                i_t = i_b * TB + g  # (the one token of a restricted copy)
+                # blocks i_s, i_s + S, ... in a ring of STAGES slots: STAGES - 1 copies in flight
+                for p in gl.static_range(STAGES - 1):
+                    page = _pages(table, row, n_t, i_s + p * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
+                    _copy_block(kbuf, ebuf, vbuf, p, page, cache, allowed, i_t, n_t, i_s + p * S, s_page, s_at,
+                                num_slots, page_size, rank, world, interleave, block, nb, COPY_RESTRICT, PAGE_SHIFT,
+                                BN, ROW_BYTES, CPL)
+                page = _pages(table, row, n_t, i_s + (STAGES - 1) * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
+                for i in range(0, gl.cdiv(nb_t - i_s, S)):
+                    blk = i_s + i * S
+                    ahead = blk + (STAGES - 1) * S
+                    next_page = _pages(table, row, n_t, ahead + S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
+                    async_copy.wait_group(STAGES - 2)  # this thread's copies of block blk have landed ...
+                    if not FP4:
+                        fence_async_shared()  # ... visible to the tensor cores' reads ...
+                    _cta_barrier()  # ... and every thread's; the slot refilled below was read one step ago
+                    st = i % STAGES
+                    keys = kbuf.index(st)
+                    _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead,
+                                s_page, s_at, num_slots, page_size, rank, world, interleave, block, nb,
+                                COPY_RESTRICT, PAGE_SHIFT, BN, ROW_BYTES, CPL)
+                    valid = vbuf.index(st).load(ROW) != 0
+                    exps = ebuf.index(st).load(ROW)
+                    if FP4:  # the keys' operands once for all the tokens
+                        o0 = _operand(keys.slice(0, 16, dim=1).load(KL), A_L)
+                        o1 = _operand(keys.slice(16, 16, dim=1).load(KL), A_L)
+                        o2 = _operand(keys.slice(32, 16, dim=1).load(KL), A_L)
+                        o3 = _operand(keys.slice(48, 16, dim=1).load(KL), A_L)
+                    for j in range(TB):  # (a loop, not unrolled: one token's product in registers at a time)
+                        b_w = w_smem.index(j).load(COL)
+                        if FP4:
+                            b_s = _block_scores(o0, o1, o2, o3, exps, q_smem, 4 * j, b_w, zero)
+                        else:  # one 128-deep product from shared memory
+                            acc = warpgroup_mma(keys, q_smem.index(j).permute((1, 0)), zero, use_acc=False,
+                                                is_async=True)
+                            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                            b_s = gl.sum(gl.maximum(acc, 0.0) * b_w[None, :], 1) * exps.to(gl.float32, bitcast=True)
+                        _token_scores(b_s, valid, blk * BN, i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, allowed, s_at,
+                                      gmax, s_gt, rank, world, interleave, block, nb, RESTRICT and TB > 1, BN, G,
+                                      GROUPS)
+                    page = next_page
+                async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
+                _cta_barrier()  # every thread's reads of the ring done before the next run refills it
 
 
 def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
                         allowed: torch.Tensor, maxima: Optional[GroupMaxima]) -> None:
     """:func:`_scores_kernel` over tokens ``lo:hi`` (the arguments of
-    :func:`compile_ops.indexer.triton.launch_scores`)."""
+    :func:`compile_ops.indexer.triton.launch_scores`), :data:`GLUON_TOKENS` tokens a program in
+    a prefill step (:func:`compile_ops.indexer.triton.scores_tokens`)."""
     q, w, cache, table = args.q, args.weights, args.cache, args.block_table
     R, page_size = table.shape[0], cache.shape[1]
     L = table.shape[1] * page_size
     rank, world, interleave = args.shard
-    S = max(1, min(triton.cdiv(L, BN), PROGRAMS_PER_SM * num_sms(q.device) // (hi - lo)))
+    TB = scores_tokens(hi - lo, R, GLUON_TOKENS)
+    blocks = triton.cdiv(hi - lo, TB)
+    S = max(1, min(triton.cdiv(L, BN), PROGRAMS_PER_SM * num_sms(q.device) // blocks))
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
-    _scores_kernel[(hi - lo, S)](
+    _scores_kernel[(blocks, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
         gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
         allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
         rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
-        HI=max(16, triton.next_power_of_2(q.shape[1])), RESTRICT=args.candidates is not None, BN=BN,
+        HI=max(16, triton.next_power_of_2(q.shape[1])), TB=TB, RESTRICT=args.candidates is not None, BN=BN,
         PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES,
-        FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4)
+        FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4,
+        maxnreg=max_registers(TB, args.fmt.fp4))
+
+
+def max_registers(tokens: int, fp4: bool) -> Optional[int]:
+    """The register limit of a launch of ``tokens`` tokens a program (``None``: the compiler's)."""
+    return PREFILL_FP8_REGISTERS if tokens > 1 and not fp4 else None
 
 
 def gluon_args_unsupported(args: IndexerArgs) -> Optional[str]:
