@@ -151,7 +151,7 @@ def _operand(packed, A_L: gl.constexpr):
 
 
 @gluon.jit
-def _block_scores(o0, o1, o2, o3, exps, q_smem, first: gl.constexpr, b_w, zero):
+def _block_scores(o0, o1, o2, o3, exps, q_smem, first, b_w, zero):
     """``[BN]`` scores of one block of keys for one token (``o0 .. o3``: the keys' operands of
     its four blocks of 32 values, :func:`_operand`; ``exps``: the rows' ue8m0 bytes;
     ``q_smem[first:first + 4]``: the token's query blocks ``[HI, 32]``): four 32-deep e4m3 products (issued
@@ -343,9 +343,9 @@ def _scores_kernel(
                                                 is_async=True)
                             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                             b_s = gl.sum(gl.maximum(acc, 0.0) * b_w[None, :], 1) * exps.to(gl.float32, bitcast=True)
-                        _token_scores(b_s, valid, blk * BN, i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, allowed, s_at,
-                                      gmax, s_gt, rank, world, interleave, block, nb, RESTRICT and TB > 1, BN, G,
-                                      GROUPS)
+                        _token_scores(b_s, valid, blk * BN, i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, allowed,
+                                      s_at, gmax, s_gt, rank, world, interleave, block, nb, RESTRICT and TB > 1, BN,
+                                      G, GROUPS)
                     page = next_page
                 async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
                 _cta_barrier()  # every thread's reads of the ring done before the next run refills it
