@@ -66,6 +66,10 @@ from compile_ops.mla.plan import num_sms
 # programs per SM (4 warps each): one launch fills every SM once and each program streams
 # its token's blocks; fewer leave too few copies in flight, more wait for registers
 PROGRAMS_PER_SM = 4
+# a prefill launch's programs (several tokens each, equal work) split their keys into this
+# many waves of PROGRAMS_PER_SM programs an SM: a launch of one wave and a few programs
+# more would take two waves' time
+PREFILL_WAVES = 4
 STAGES = 4  # key blocks in the ring (a power of two): three copies in flight while one block's products run
 # an fp4 key's 64 bytes in shared memory, 16-byte chunk j of row r at chunk j ^ (r // 2) % 4:
 # the copies stay 16 bytes, and a warp's word loads (8 rows, one chunk each) hit 32 banks
@@ -362,7 +366,8 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
     rank, world, interleave = args.shard
     TB = scores_tokens(hi - lo, R, GLUON_TOKENS)
     blocks = triton.cdiv(hi - lo, TB)
-    S = max(1, min(triton.cdiv(L, BN), PROGRAMS_PER_SM * num_sms(q.device) // blocks))
+    programs = PROGRAMS_PER_SM * num_sms(q.device)
+    S = max(1, min(triton.cdiv(L, BN), triton.cdiv(PREFILL_WAVES * programs, blocks) if TB > 1 else programs // blocks))
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
     _scores_kernel[(blocks, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
