@@ -37,7 +37,7 @@ from graphs.fp8 import Fp8Linear
 from graphs.fused import StackedRows, project, stack_rows
 from graphs.metadata import Geometry, StepInputs, StepRows, derive, step_inputs
 from graphs.plan import LayerPlan, LayerRole
-from graphs.rope import apply_rope_last, layer_inv_freq, rope_heads, rope_tables
+from graphs.rope import apply_rope_last, layer_inv_freq, rope_heads_, rope_tables
 
 
 def _dcp_rank(cfg: AttentionConfig, cache: CacheConfig, ratio: int, dcp_group: Optional[str]):
@@ -703,8 +703,9 @@ class DSV41Attention(nn.Module):
         xs = project(self, self.stacks["x"], x)
         qr = self.q_norm(xs["wq_a"].to(x.dtype))
         qs = project(self, self.stacks["q"], qr)
-        if self.cfg.v41:  # V4.1 does not normalise q's heads: one op rounds, turns and lays them out
-            q = rope_heads(qs["wq_b"], cos, sin, D)
+        if self.cfg.v41:  # V4.1 does not normalise q's heads: turned in place in the projection's output
+            rope_heads_(qs["wq_b"], cos, sin, D)
+            q = qs["wq_b"].unflatten(1, (self.local_heads, D))
         else:  # V4 normalises each head of q (no weight)
             # (fp32 before the view: a view of a column slice would specialise T == 1)
             q = qs["wq_b"].to(x.dtype).float().view(T, self.local_heads, D)
@@ -772,7 +773,7 @@ class DSV41Attention(nn.Module):
         if self.dcp_group is not None:
             o, _ = torch.ops.dsv41.dcp_combine(o, lse, self.dcp_group, "ag_rs")  # this rank's heads
         groups, lora = self.local_groups, self.cfg.o_lora_rank
-        o = rope_heads(o.flatten(1), cos, sin, D, inverse=True)
+        rope_heads_(o.view(T, -1), cos, sin, D, inverse=True)
         if isinstance(self.wo_a, Fp8Linear):  # the grouped FP8 GEMM: group g's heads times its rows of wo_a
             flat = torch.ops.dsv41.fp8_linear(o.view(T, -1), self.wo_a.weight, self.wo_a.scale, groups)
         else:

@@ -5,8 +5,8 @@ Dims ``2i`` and ``2i + 1`` of the rotated slice form pair ``i`` and turn by angl
 (no complex numbers, so Inductor fuses the rotation), looked up by position; padding
 tokens (position ``-1``) read row 0 and their results are never used.
 
-:func:`rope_heads` is the rotation of the attention heads' last dims as one op
-(``graphs::rope_heads``, a Triton kernel on CUDA, :mod:`graphs.rope_triton`): Inductor
+:func:`rope_heads_` is the rotation of the attention heads' last dims in place as one op
+(``graphs::rope_heads_``, a Triton kernel on CUDA, :mod:`graphs.rope_triton`): Inductor
 tunes its own fused kernel of the same rotation once, at the size-1 trace of a
 dynamic-token step, and that choice for one token then serves every step size.
 """
@@ -78,31 +78,33 @@ def apply_rope_last(x: Tensor, rope_dim: int, cos: Tensor, sin: Tensor, inverse:
     return torch.cat([x[..., :nope], apply_rope(x[..., nope:], cos, sin, inverse)], dim=-1)
 
 
-@torch.library.custom_op("graphs::rope_heads", mutates_args=())
-def rope_heads(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, inverse: bool = False) -> Tensor:
-    """The heads of ``x [T, H * head_dim]`` (bf16 or fp32, rows of any stride, unit column
-    stride) rounded to bf16, their last ``2P`` dims turned by ``cos, sin [T, P]`` fp32 in
-    fp32 (``inverse``: the other way), as bf16 ``[T, H, head_dim]``: ``apply_rope_last`` of
-    ``x.bfloat16().float().view(T, H, head_dim)``, then bf16."""
-    _check_heads(x, cos, sin, head_dim)
+@torch.library.custom_op("graphs::rope_heads_", mutates_args=("x",))
+def rope_heads_(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, inverse: bool = False) -> None:
+    """The last ``2P`` dims of each head of ``x [T, H * head_dim]`` (bf16, rows of any stride,
+    unit column stride; ``2P`` a power of two) turned in place by ``cos, sin [T, P]`` fp32
+    in fp32 (``inverse``: the other way), back to bf16: ``apply_rope_last`` of
+    ``x.float().view(T, H, head_dim)``, rounded to bf16. The other dims are not read or
+    written, so the op moves ``2P / head_dim`` of the bytes a rotated copy of the heads
+    would (V4.1's q and attention output: 64 of 512 dims)."""
+    rope = _check_heads(x, cos, sin, head_dim)
     if x.is_cuda:
         from graphs.rope_triton import rope_heads_triton
 
-        return rope_heads_triton(x, cos.contiguous(), sin.contiguous(), head_dim, inverse)
-    T = x.shape[0]
-    heads = x.to(torch.bfloat16).float().view(T, -1, head_dim)
-    return apply_rope_last(heads, 2 * cos.shape[1], cos, sin, inverse).to(torch.bfloat16)
+        rope_heads_triton(x, cos.contiguous(), sin.contiguous(), head_dim, inverse)
+        return
+    heads = x.view(x.shape[0], -1, head_dim)[..., head_dim - rope:]  # (a view of x: written in place)
+    heads.copy_(apply_rope(heads.float(), cos, sin, inverse))
 
 
-@rope_heads.register_fake
+@rope_heads_.register_fake
 def _(x, cos, sin, head_dim, inverse=False):
     _check_heads(x, cos, sin, head_dim)
-    return x.new_empty(x.shape[0], x.shape[1] // head_dim, head_dim, dtype=torch.bfloat16)
 
 
-def _check_heads(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> None:
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.stride(1) != 1:
-        raise ValueError(f"x must be [T, H * head_dim] bf16 or fp32 with unit column stride, got {x.dtype} "
+def _check_heads(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> int:
+    """:func:`rope_heads_`'s checks; returns ``2P``, the turned dims of a head."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, H * head_dim] bf16 with unit column stride, got {x.dtype} "
                          f"{list(x.shape)} stride {x.stride()}")
     if x.shape[1] % head_dim or head_dim & (head_dim - 1):
         raise ValueError(f"x's width {x.shape[1]} must be whole heads of a power-of-two head_dim, got {head_dim}")
@@ -113,3 +115,7 @@ def _check_heads(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> None:
         raise ValueError(f"cos and sin must be fp32, got {cos.dtype} and {sin.dtype}")
     if cos.device != x.device or sin.device != x.device:
         raise ValueError(f"cos and sin must be on x's device {x.device}, got {cos.device} and {sin.device}")
+    rope = 2 * cos.shape[1]
+    if rope & (rope - 1):
+        raise ValueError(f"the turned dims 2P must be a power of two, got {rope}")
+    return rope

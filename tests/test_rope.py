@@ -1,13 +1,12 @@
-"""``graphs::rope_heads``: the heads' rotation as one op, its Triton kernel against the
-plain-torch rotation it replaces (``apply_rope_last``), and its fake."""
+"""``graphs::rope_heads_``: the heads' rotation in place as one op, its Triton kernel against
+the plain-torch rotation it replaces (``apply_rope_last``), and its fake."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from graphs.rope import apply_rope, apply_rope_last, rope_heads, rope_tables, yarn_inv_freq
-
+from graphs.rope import apply_rope, apply_rope_last, rope_heads_, rope_tables, yarn_inv_freq
 
 
 def rope_heads_triton(*args, **kwargs):
@@ -23,64 +22,76 @@ def tables(T: int, pairs: int, seed: int = 0):
 
 
 def plain(x, cos, sin, head_dim, inverse):
-    heads = x.bfloat16().float().view(x.shape[0], -1, head_dim)
-    return apply_rope_last(heads, 2 * cos.shape[1], cos, sin, inverse).bfloat16()
+    heads = x.float().view(x.shape[0], -1, head_dim)
+    return apply_rope_last(heads, 2 * cos.shape[1], cos, sin, inverse).bfloat16().view(x.shape)
+
+
+def turned(x, cos, sin, head_dim, inverse=False, triton=True):
+    """``x`` turned in place by the Triton kernel (else by the op), returned."""
+    (rope_heads_triton if triton else rope_heads_)(x, cos, sin, head_dim, inverse)
+    return x
 
 
 @pytest.mark.parametrize("inverse", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_triton_kernel_equals_the_plain_rotation(device, dtype, inverse):
-    """fp32 rows of a wider buffer (a column slice of a stacked projection) and bf16 rows,
-    6 heads (not a multiple of the kernel's 4 per program), 16 of 64 dims turned."""
-    T, H, D = 5, 6, 64
+def test_triton_kernel_equals_the_plain_rotation(device, inverse):
+    """bf16 rows of a wider buffer (a column slice of a stacked projection), 19 heads (not
+    a multiple of the kernel's 16 a program), 16 of 64 dims turned: those equal the plain
+    rotation; no other byte of the buffer changes."""
+    T, H, D = 5, 19, 64
     cos, sin = (t.to(device) for t in tables(T, 8))
-    wide = torch.randn(T, H * D + 40, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    wide = torch.randn(T, H * D + 40, generator=torch.Generator().manual_seed(1)).bfloat16().to(device)
+    before = wide.clone()
     x = wide[:, 8:8 + H * D]
     want = plain(x, cos, sin, D, inverse)
-    got = rope_heads_triton(x, cos, sin, D, inverse)
-    assert got.shape == (T, H, D) and got.dtype == torch.bfloat16 and got.is_contiguous()
-    torch.testing.assert_close(got[..., :48], x.bfloat16().view(T, H, D)[..., :48], rtol=0, atol=0)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)  # one bf16 step
+    turned(x, cos, sin, D, inverse)
+    heads, want_heads = x.view(T, H, D), want.view(T, H, D)
+    torch.testing.assert_close(heads[..., :48], before[:, 8:8 + H * D].view(T, H, D)[..., :48], rtol=0, atol=0)
+    torch.testing.assert_close(heads.float(), want_heads.float(), rtol=2**-7, atol=1e-6)  # one bf16 step
+    torch.testing.assert_close(wide[:, :8], before[:, :8], rtol=0, atol=0)
+    torch.testing.assert_close(wide[:, 8 + H * D:], before[:, 8 + H * D:], rtol=0, atol=0)
     if device == "cpu":  # the op's CPU path is the plain math itself
-        torch.testing.assert_close(rope_heads(x, cos, sin, D, inverse), want, rtol=0, atol=0)
+        x.copy_(before[:, 8:8 + H * D])
+        torch.testing.assert_close(turned(x, cos, sin, D, inverse, triton=False), want, rtol=0, atol=0)
 
 
 def test_inverse_undoes_the_rotation():
     T, H, D = 3, 4, 128
     cos, sin = tables(T, 32, seed=2)
     x = torch.randn(T, H * D, generator=torch.Generator().manual_seed(3)).bfloat16()
-    back = rope_heads_triton(rope_heads_triton(x, cos, sin, D).flatten(1), cos, sin, D, inverse=True)
-    torch.testing.assert_close(back.float(), x.float().view(T, H, D), rtol=2**-6, atol=2**-6)
+    back = turned(turned(x.clone(), cos, sin, D), cos, sin, D, inverse=True)
+    torch.testing.assert_close(back.float(), x.float(), rtol=2**-6, atol=2**-6)
     pairs = apply_rope(x.float().view(T, H, D)[..., 64:], cos, sin)  # the rotation itself: pair i by angle i
-    torch.testing.assert_close(rope_heads_triton(x, cos, sin, D)[..., 64:].float(), pairs, rtol=2**-7, atol=1e-6)
+    got = turned(x.clone(), cos, sin, D).view(T, H, D)[..., 64:]
+    torch.testing.assert_close(got.float(), pairs, rtol=2**-7, atol=1e-6)
 
 
 def test_no_tokens():
     cos, sin = tables(0, 8)
-    assert rope_heads_triton(torch.empty(0, 128), cos, sin, 64).shape == (0, 2, 64)
+    assert turned(torch.empty(0, 128, dtype=torch.bfloat16), cos, sin, 64).shape == (0, 128)
 
 
 def test_opcheck():
     cos, sin = tables(3, 8)
-    x = torch.randn(3, 128)
-    torch.library.opcheck(torch.ops.graphs.rope_heads.default, (x, cos, sin, 64, True))
+    x = torch.randn(3, 128).bfloat16()
+    torch.library.opcheck(torch.ops.graphs.rope_heads_.default, (x, cos, sin, 64, True))
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(x=torch.randn(3, 2, 64)), "x must be"),
-    (dict(x=torch.randn(3, 128).half()), "x must be"),
-    (dict(x=torch.randn(128, 3).t()), "unit column stride"),
+    (dict(x=torch.randn(3, 2, 64).bfloat16()), "x must be"),
+    (dict(x=torch.randn(3, 128)), "x must be"),
+    (dict(x=torch.randn(128, 3).bfloat16().t()), "unit column stride"),
     (dict(head_dim=48), "power-of-two head_dim"),
     (dict(head_dim=100), "whole heads"),
     (dict(cos=torch.zeros(2, 8)), "cos and sin"),
     (dict(cos=torch.zeros(3, 40), sin=torch.zeros(3, 40)), "2P <= head_dim"),
+    (dict(cos=torch.zeros(3, 12), sin=torch.zeros(3, 12)), "power of two"),
     (dict(sin=torch.zeros(3, 8, dtype=torch.float64)), "fp32"),
     (dict(cos=torch.zeros(3, 8, device="meta"), sin=torch.zeros(3, 8, device="meta")), "device"),
 ])
 def test_bad_input_is_refused(bad, match):
     cos, sin = tables(3, 8)
-    args = dict(x=torch.randn(3, 128), cos=cos, sin=sin, head_dim=64)
+    args = dict(x=torch.randn(3, 128).bfloat16(), cos=cos, sin=sin, head_dim=64)
     args.update(bad)
     with pytest.raises(ValueError, match=match):
-        rope_heads(**args)
+        rope_heads_(**args)
