@@ -704,8 +704,10 @@ class DSV41Attention(nn.Module):
         qr = self.q_norm(xs["wq_a"].to(x.dtype))
         qs = project(self, self.stacks["q"], qr)
         if self.cfg.v41:  # V4.1 does not normalise q's heads: turned in place in the projection's output
-            rope_heads_(qs["wq_b"], cos, sin, D)
-            q = qs["wq_b"].unflatten(1, (self.local_heads, D))
+            q = qs["wq_b"]
+            rope_heads_(q, cos, sin, D)
+            # (the heads where they lie; a view of the column slice would specialise T == 1)
+            q = q.as_strided((T, self.local_heads, D), (q.stride(0), D, 1))
         else:  # V4 normalises each head of q (no weight)
             # (fp32 before the view: a view of a column slice would specialise T == 1)
             q = qs["wq_b"].to(x.dtype).float().view(T, self.local_heads, D)
