@@ -249,6 +249,22 @@ def test_scores_tokens_follow_the_step_shape():
     assert scores_tokens(ShapeEnv().create_unbacked_symint(), 256) == 1
 
 
+def test_gluon_prefill_launch_runs_several_waves_of_programs():
+    """A decode launch fills the SMs once; a prefill launch's programs (equal work each) run
+    ``PREFILL_WAVES`` waves or more, so that one just past a whole wave (410 blocks of 4
+    tokens over 132 SMs: the V4.1 stack's chunk of 1638 tokens) does not take two waves'
+    time for one's work; never more splits than key blocks."""
+    gluon = pytest.importorskip("compile_ops.indexer.gluon")
+    programs = gluon.PROGRAMS_PER_SM * 132
+    assert gluon.key_splits(64, 1, 1024, 132) == programs // 64
+    assert gluon.key_splits(1, 1, 128, 132) == 128
+    for blocks in (205, 410, 819, 1024):
+        S = gluon.key_splits(blocks, 4, 640, 132)
+        assert blocks * S >= gluon.PREFILL_WAVES * programs > blocks * (S - 1)
+    assert gluon.key_splits(410, 4, 3, 132) == 3
+    assert gluon.key_splits(10**6, 4, 640, 132) == gluon.key_splits(10**6, 1, 640, 132) == 1
+
+
 @pytest.mark.parametrize("index_format, page_size", [("bf16", 4), ("fp8", 4), ("fp8", 64)])
 @pytest.mark.parametrize("rank, world, interleave", [(0, 2, 1), (1, 2, 1), (1, 2, 4), (2, 3, 2)])
 def test_interpreter_dcp_shard_equals_reference(index_format, page_size, rank, world, interleave):

@@ -366,8 +366,7 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
     rank, world, interleave = args.shard
     TB = scores_tokens(hi - lo, R, GLUON_TOKENS)
     blocks = triton.cdiv(hi - lo, TB)
-    programs = PROGRAMS_PER_SM * num_sms(q.device)
-    S = max(1, min(triton.cdiv(L, BN), triton.cdiv(PREFILL_WAVES * programs, blocks) if TB > 1 else programs // blocks))
+    S = key_splits(blocks, TB, triton.cdiv(L, BN), num_sms(q.device))
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
     _scores_kernel[(blocks, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
@@ -378,6 +377,17 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
         PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES,
         FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4,
         maxnreg=max_registers(TB, args.fmt.fp4))
+
+
+def key_splits(blocks: int, tokens: int, key_blocks: int, sms: int) -> int:
+    """``S``, the programs of each of a launch's ``blocks`` blocks of ``tokens`` tokens (each
+    program takes every ``S``-th of the ``key_blocks`` blocks of ``BN`` entries): one wave of
+    :data:`PROGRAMS_PER_SM` programs an SM over ``sms`` SMs where a step may be all decode
+    (``tokens == 1``), :data:`PREFILL_WAVES` waves in a prefill step; at least 1, at most
+    ``key_blocks``."""
+    programs = PROGRAMS_PER_SM * sms
+    splits = programs // blocks if tokens == 1 else triton.cdiv(PREFILL_WAVES * programs, blocks)
+    return max(1, min(key_blocks, splits))
 
 
 def max_registers(tokens: int, fp4: bool) -> Optional[int]:
