@@ -12,9 +12,11 @@ the MMA's operand layout, which costs more than the conversion. Here, for both f
 * the token's queries quantized once per program as the keys are, into shared memory.
 
 ``fp8`` keys (128 e4m3 bytes and an fp32 scale a key) land in the ``wgmma`` operand's own
-shared-memory layout: one 128-deep e4m3 product per block, issued before the next block's
-copy and waited for after it, then ``scale * sum_h w[h] relu(.)``; the query is e4m3 with
-one power-of-two scale per head, folded into its weight, as the portable kernel has it.
+shared-memory layout: one 128-deep e4m3 product per block and token, issued before the next
+block's copy and waited for after it, then ``scale * sum_h w[h] relu(.)``; a program of
+several tokens issues them in pairs, the second's product running while the first's scores
+are summed. The query is e4m3 with one power-of-two scale per head, folded into its weight,
+as the portable kernel has it.
 
 ``fp4`` keys (64 bytes of e2m1 pairs and four ue8m0 bytes a key) go through registers:
 
@@ -78,8 +80,9 @@ GLUON_MAX_HEADS = 64  # four [64, heads] fp32 products in registers
 # most tokens of one request a program takes in a prefill step: each key block it reads serves
 # them all (their queries, 8 KB a token at 64 heads, stay in shared memory)
 GLUON_TOKENS = 4
-# registers a thread of a several-token fp8 program may hold: three programs an SM (the
-# compiler's own choice, about 200, leaves room for two), without spills (tests/test_gluon_build.py)
+# registers a thread of a several-token fp8 program of up to 32 heads may hold: three programs
+# an SM (the compiler's own choice, about 200, leaves room for two), without spills
+# (tests/test_gluon_build.py); at 64 heads a pair's two products need about 220: two programs
 PREFILL_FP8_REGISTERS = 168
 
 
@@ -239,6 +242,17 @@ def _token_scores(b_s, valid, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, al
 
 
 @gluon.jit
+def _fp8_token_scores(acc, exps, w_smem, valid, first, i_b, j, run_j, n_j, o_j, p_scores, s_st, allowed, s_at, gmax,
+                      s_gt, rank, world, interleave, block, nb, RESTRICT: gl.constexpr, TB: gl.constexpr,
+                      BN: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, COL: gl.constexpr):
+    """Token ``j`` of the program's block from its fp8 product ``acc [BN, HI]``: ``scale *
+    sum_h w[h] relu(.)`` (``exps``: the keys' fp32 scales' bits), stored by :func:`_token_scores`."""
+    b_s = gl.sum(gl.maximum(acc, 0.0) * w_smem.index(j).load(COL)[None, :], 1) * exps.to(gl.float32, bitcast=True)
+    _token_scores(b_s, valid, first, i_b * TB + j, j, run_j, n_j, o_j, p_scores, s_st, allowed, s_at, gmax, s_gt,
+                  rank, world, interleave, block, nb, RESTRICT and TB > 1, BN, G, GROUPS)
+
+
+@gluon.jit
 def _scores_kernel(
     q, w, t2r, n_entries, cache, table, allowed, scores, n_out, gmax, g_counts,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
@@ -338,18 +352,33 @@ def _scores_kernel(
                         o1 = _operand(keys.slice(16, 16, dim=1).load(KL), A_L)
                         o2 = _operand(keys.slice(32, 16, dim=1).load(KL), A_L)
                         o3 = _operand(keys.slice(48, 16, dim=1).load(KL), A_L)
-                    for j in range(TB):  # (a loop, not unrolled: one token's product in registers at a time)
-                        b_w = w_smem.index(j).load(COL)
-                        if FP4:
-                            b_s = _block_scores(o0, o1, o2, o3, exps, q_smem, 4 * j, b_w, zero)
-                        else:  # one 128-deep product from shared memory
+                        for j in range(TB):  # (a loop, not unrolled: one token's product in registers at a time)
+                            b_s = _block_scores(o0, o1, o2, o3, exps, q_smem, 4 * j, w_smem.index(j).load(COL), zero)
+                            _token_scores(b_s, valid, blk * BN, i_b * TB + j, j, run_j, n_j, o_j, scores, s_st,
+                                          allowed, s_at, gmax, s_gt, rank, world, interleave, block, nb,
+                                          RESTRICT and TB > 1, BN, G, GROUPS)
+                    else:
+                        # one 128-deep product from shared memory a token, in pairs: the second runs
+                        # while the first's scores are summed (a product carried into the next
+                        # iteration would be a register copy of one in flight, which ptxas answers by
+                        # serializing every product)
+                        for j in range(0, TB, 2):
                             acc = warpgroup_mma(keys, q_smem.index(j).permute((1, 0)), zero, use_acc=False,
                                                 is_async=True)
-                            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                            b_s = gl.sum(gl.maximum(acc, 0.0) * b_w[None, :], 1) * exps.to(gl.float32, bitcast=True)
-                        _token_scores(b_s, valid, blk * BN, i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, allowed,
-                                      s_at, gmax, s_gt, rank, world, interleave, block, nb, RESTRICT and TB > 1, BN,
-                                      G, GROUPS)
+                            if TB > 1:
+                                nxt = warpgroup_mma(keys, q_smem.index(j + 1).permute((1, 0)), zero, use_acc=False,
+                                                    is_async=True)
+                                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                            else:
+                                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                            _fp8_token_scores(acc, exps, w_smem, valid, blk * BN, i_b, j, run_j, n_j, o_j, scores,
+                                              s_st, allowed, s_at, gmax, s_gt, rank, world, interleave, block, nb,
+                                              RESTRICT, TB, BN, G, GROUPS, COL)
+                            if TB > 1:
+                                nxt = warpgroup_mma_wait(num_outstanding=0, deps=(nxt,))
+                                _fp8_token_scores(nxt, exps, w_smem, valid, blk * BN, i_b, j + 1, run_j, n_j, o_j,
+                                                  scores, s_st, allowed, s_at, gmax, s_gt, rank, world, interleave,
+                                                  block, nb, RESTRICT, TB, BN, G, GROUPS, COL)
                     page = next_page
                 async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
                 _cta_barrier()  # every thread's reads of the ring done before the next run refills it
@@ -368,15 +397,16 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
     blocks = triton.cdiv(hi - lo, TB)
     S = key_splits(blocks, TB, triton.cdiv(L, BN), num_sms(q.device))
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
+    HI = max(16, triton.next_power_of_2(q.shape[1]))
     _scores_kernel[(blocks, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
         gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
         allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
         rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
-        HI=max(16, triton.next_power_of_2(q.shape[1])), TB=TB, RESTRICT=args.candidates is not None, BN=BN,
+        HI=HI, TB=TB, RESTRICT=args.candidates is not None, BN=BN,
         PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES,
         FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4,
-        maxnreg=max_registers(TB, args.fmt.fp4))
+        maxnreg=max_registers(TB, args.fmt.fp4, HI))
 
 
 def key_splits(blocks: int, tokens: int, key_blocks: int, sms: int) -> int:
@@ -390,9 +420,11 @@ def key_splits(blocks: int, tokens: int, key_blocks: int, sms: int) -> int:
     return max(1, min(key_blocks, splits))
 
 
-def max_registers(tokens: int, fp4: bool) -> Optional[int]:
-    """The register limit of a launch of ``tokens`` tokens a program (``None``: the compiler's)."""
-    return PREFILL_FP8_REGISTERS if tokens > 1 and not fp4 else None
+def max_registers(tokens: int, fp4: bool, heads: int) -> Optional[int]:
+    """The register limit of a launch of ``tokens`` tokens a program and ``heads`` (a power of
+    two) a product (``None``: the compiler's; two fp8 products of 64 heads in flight do not
+    fit the limit)."""
+    return PREFILL_FP8_REGISTERS if tokens > 1 and not fp4 and heads <= 32 else None
 
 
 def gluon_args_unsupported(args: IndexerArgs) -> Optional[str]:
