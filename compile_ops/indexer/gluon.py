@@ -34,7 +34,8 @@ as the portable kernel has it.
 
 Program ``(b, s)`` takes ``TB`` consecutive tokens (:func:`compile_ops.indexer.triton.scores_tokens`:
 one where a step may be all decode, up to :data:`GLUON_TOKENS` in a prefill step) and blocks
-``s, s + S, ...`` of their entries, as the portable kernel does: each request run among the
+``s, s + S, ...`` of their entries (:func:`key_splits`: one wave of programs in a decode step,
+:data:`PREFILL_WAVES` in a prefill step), as the portable kernel does: each request run among the
 tokens reads a key block once into the ring, and every token of the run multiplies it by its
 own queries (all ``TB`` tokens' queries stay in shared memory), so a prefill chunk of one
 request reads its keys ``TB`` times fewer than one token a program does. It stores the same
