@@ -96,8 +96,8 @@ def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift
                if signature[n].startswith("*")
                or n in ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at", "s_gt")}
     source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in options.items()}, aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=gluon.max_registers(tokens, index_format == "fp4", max(16, heads))))
+    maxnreg = gluon.max_registers(tokens, index_format == "fp4", max(16, heads))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
 
 
 def build_report(build):
