@@ -12,11 +12,11 @@ the MMA's operand layout, which costs more than the conversion. Here, for both f
 * the token's queries quantized once per program as the keys are, into shared memory.
 
 ``fp8`` keys (128 e4m3 bytes and an fp32 scale a key) land in the ``wgmma`` operand's own
-shared-memory layout: one 128-deep e4m3 product per block and token, issued before the next
-block's copy and waited for after it, then ``scale * sum_h w[h] relu(.)``; a program of
-several tokens issues them in pairs, the second's product running while the first's scores
-are summed. The query is e4m3 with one power-of-two scale per head, folded into its weight,
-as the portable kernel has it.
+shared-memory layout: one 128-deep e4m3 product per block, issued before the next block's
+copy and waited for after it, then ``scale * sum_h w[h] relu(.)``; a program of several
+tokens of fewer than 64 heads (V4.1's 32) multiplies a pair of tokens' queries at once, the
+product's columns the first token's heads, then the second's. The query is e4m3 with one
+power-of-two scale per head, folded into its weight, as the portable kernel has it.
 
 ``fp4`` keys (64 bytes of e2m1 pairs and four ue8m0 bytes a key) go through registers:
 
@@ -81,9 +81,8 @@ GLUON_MAX_HEADS = 64  # four [64, heads] fp32 products in registers
 # most tokens of one request a program takes in a prefill step: each key block it reads serves
 # them all (their queries, 8 KB a token at 64 heads, stay in shared memory)
 GLUON_TOKENS = 4
-# registers a thread of a several-token fp8 program of up to 32 heads may hold: three programs
-# an SM (the compiler's own choice, about 200, leaves room for two), without spills
-# (tests/test_gluon_build.py); at 64 heads a pair's two products need about 220: two programs
+# registers a thread of a several-token fp8 program may hold: three programs an SM (the
+# compiler's own choice, about 200, leaves room for two), without spills (tests/test_gluon_build.py)
 PREFILL_FP8_REGISTERS = 168
 
 
@@ -206,7 +205,7 @@ def _fp4_query(q_smem, first, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr,
 
 
 @gluon.jit
-def _fp8_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, COL: gl.constexpr):
+def _fp8_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr):
     """Token ``i_t``'s queries quantized like fp8 keys (e4m3, one power-of-two scale per head,
     :func:`compile_ops._triton_quant.ue8m0_exponent`) into ``q_smem [HI, 128]``; returns its
     weights times each head's scale ``[HI]`` fp32."""
@@ -217,8 +216,7 @@ def _fp8_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, COL: g
     x = x.to(gl.float32)
     exponent = ue8m0_exponent(gl.max(gl.abs(x), 1))
     q_smem.store(to_e4m3(x * power_of_two(254 - exponent)[:, None]))
-    o_w = gl.arange(0, HI, COL)
-    return gl.load(w + i_t * s_wt + o_w, mask=o_w < Hi, other=0.0) * gl.convert_layout(power_of_two(exponent), COL)
+    return gl.load(w + i_t * s_wt + o_h, mask=o_h < Hi, other=0.0) * power_of_two(exponent)
 
 
 @gluon.jit
@@ -243,17 +241,6 @@ def _token_scores(b_s, valid, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, al
 
 
 @gluon.jit
-def _fp8_token_scores(acc, exps, w_smem, valid, first, i_b, j, run_j, n_j, o_j, p_scores, s_st, allowed, s_at, gmax,
-                      s_gt, rank, world, interleave, block, nb, RESTRICT: gl.constexpr, TB: gl.constexpr,
-                      BN: gl.constexpr, G: gl.constexpr, GROUPS: gl.constexpr, COL: gl.constexpr):
-    """Token ``j`` of the program's block from its fp8 product ``acc [BN, HI]``: ``scale *
-    sum_h w[h] relu(.)`` (``exps``: the keys' fp32 scales' bits), stored by :func:`_token_scores`."""
-    b_s = gl.sum(gl.maximum(acc, 0.0) * w_smem.index(j).load(COL)[None, :], 1) * exps.to(gl.float32, bitcast=True)
-    _token_scores(b_s, valid, first, i_b * TB + j, j, run_j, n_j, o_j, p_scores, s_st, allowed, s_at, gmax, s_gt,
-                  rank, world, interleave, block, nb, RESTRICT and TB > 1, BN, G, GROUPS)
-
-
-@gluon.jit
 def _scores_kernel(
     q, w, t2r, n_entries, cache, table, allowed, scores, n_out, gmax, g_counts,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
@@ -267,7 +254,12 @@ def _scores_kernel(
     request run among the tokens reading its keys once for all of them (up to the run's
     largest count); ``n_out[t]`` the local counts (program 0); with ``GROUPS`` the top-k's
     group maxima and counts too (:class:`compile_ops.indexer.triton.GroupMaxima`)."""
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HI, 32])
+    # fp8 keys: where one token's product is narrower than 64 (V4.1's 32 heads), a pair of
+    # tokens' queries are one product's columns, as wide as a 64-head token's
+    PAIR: gl.constexpr = TB > 1 and not FP4 and HI < 64
+    STEP: gl.constexpr = 2 if PAIR else 1  # tokens a product
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, STEP * HI, 32])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4)
     # A_L's registers, lanes and warps for one block's 16 packed bytes: a lane's word per row
     KL: gl.constexpr = gl.DistributedLinearLayout(
@@ -293,7 +285,7 @@ def _scores_kernel(
         if GROUPS:
             _store_group_counts(g_counts, t_j, T, n_j, K, G, m_j)
     if i_s < gl.cdiv(gl.max(n_j, 0), BN):
-        w_smem = gl.allocate_shared_memory(gl.float32, [TB, HI], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        w_smem = gl.allocate_shared_memory(gl.float32, [TB // STEP, STEP * HI], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         if FP4:
             q_smem = gl.allocate_shared_memory(gl.float8e4nv, [4 * TB, HI, 32],
                                                gl.NVMMASharedLayout.get_default_for([HI, 32], gl.float8e4nv))
@@ -304,17 +296,18 @@ def _scores_kernel(
             # registers are the products' operand: a swizzle for the word loads
             kbuf = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], KEY_SWIZZLE)
         else:
-            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [TB, HI, 128],
-                                               gl.NVMMASharedLayout.get_default_for([HI, 128], gl.float8e4nv))
-            for u in range(TB):
+            q_smem = gl.allocate_shared_memory(gl.float8e4nv, [TB // STEP, STEP * HI, 128],
+                                               gl.NVMMASharedLayout.get_default_for([STEP * HI, 128], gl.float8e4nv))
+            for u in gl.static_range(TB):  # token u: rows (u % STEP) HI .. of product u // STEP
                 t = i_b * TB + u
-                w_smem.index(u).store(_fp8_query(q_smem.index(u), q, w, t, s_qt, s_qh, s_wt,
-                                                 gl.where(t < T, Hi, 0), HI, COL))
+                w_smem.index(u // STEP).slice((u % STEP) * HI, HI).store(
+                    _fp8_query(q_smem.index(u // STEP).slice((u % STEP) * HI, HI), q, w, t, s_qt, s_qh, s_wt,
+                               gl.where(t < T, Hi, 0), HI))
             # the products read the keys from shared memory: the MMA's layout
             kbuf = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128],
                                              gl.NVMMASharedLayout.get_default_for([BN, 128], gl.float8e4nv))
         fence_async_shared()
-        zero = gl.zeros([BN, HI], gl.float32, ACC)
+        zero = gl.zeros([BN, STEP * HI], gl.float32, ACC)
         ebuf = gl.allocate_shared_memory(gl.int32, [STAGES, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         # a request's tokens are contiguous in a step: the block holds runs of a few rows
@@ -358,28 +351,25 @@ def _scores_kernel(
                             _token_scores(b_s, valid, blk * BN, i_b * TB + j, j, run_j, n_j, o_j, scores, s_st,
                                           allowed, s_at, gmax, s_gt, rank, world, interleave, block, nb,
                                           RESTRICT and TB > 1, BN, G, GROUPS)
-                    else:
-                        # one 128-deep product from shared memory a token, in pairs: the second runs
-                        # while the first's scores are summed (a product carried into the next
-                        # iteration would be a register copy of one in flight, which ptxas answers by
-                        # serializing every product)
-                        for j in range(0, TB, 2):
-                            acc = warpgroup_mma(keys, q_smem.index(j).permute((1, 0)), zero, use_acc=False,
-                                                is_async=True)
-                            if TB > 1:
-                                nxt = warpgroup_mma(keys, q_smem.index(j + 1).permute((1, 0)), zero, use_acc=False,
-                                                    is_async=True)
-                                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    else:  # one 128-deep product from shared memory for STEP tokens
+                        for j in range(0, TB, STEP):
+                            acc = warpgroup_mma(keys, q_smem.index(j // STEP).permute((1, 0)), zero, use_acc=False)
+                            x = gl.maximum(acc, 0.0) * w_smem.index(j // STEP).load(COL)[None, :]
+                            scale = exps.to(gl.float32, bitcast=True)
+                            if PAIR:  # the first token's heads, then the second's
+                                first = (gl.arange(0, STEP * HI, COL) < HI)[None, :]
+                                _token_scores(gl.sum(gl.where(first, x, 0.0), 1) * scale, valid, blk * BN,
+                                              i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, allowed, s_at, gmax,
+                                              s_gt, rank, world, interleave, block, nb, RESTRICT and TB > 1, BN, G,
+                                              GROUPS)
+                                _token_scores(gl.sum(gl.where(first, 0.0, x), 1) * scale, valid, blk * BN,
+                                              i_b * TB + j + 1, j + 1, run_j, n_j, o_j, scores, s_st, allowed, s_at,
+                                              gmax, s_gt, rank, world, interleave, block, nb, RESTRICT and TB > 1, BN,
+                                              G, GROUPS)
                             else:
-                                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                            _fp8_token_scores(acc, exps, w_smem, valid, blk * BN, i_b, j, run_j, n_j, o_j, scores,
-                                              s_st, allowed, s_at, gmax, s_gt, rank, world, interleave, block, nb,
-                                              RESTRICT, TB, BN, G, GROUPS, COL)
-                            if TB > 1:
-                                nxt = warpgroup_mma_wait(num_outstanding=0, deps=(nxt,))
-                                _fp8_token_scores(nxt, exps, w_smem, valid, blk * BN, i_b, j + 1, run_j, n_j, o_j,
-                                                  scores, s_st, allowed, s_at, gmax, s_gt, rank, world, interleave,
-                                                  block, nb, RESTRICT, TB, BN, G, GROUPS, COL)
+                                _token_scores(gl.sum(x, 1) * scale, valid, blk * BN, i_b * TB + j, j, run_j, n_j, o_j,
+                                              scores, s_st, allowed, s_at, gmax, s_gt, rank, world, interleave, block,
+                                              nb, RESTRICT and TB > 1, BN, G, GROUPS)
                     page = next_page
                 async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
                 _cta_barrier()  # every thread's reads of the ring done before the next run refills it
@@ -398,16 +388,15 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
     blocks = triton.cdiv(hi - lo, TB)
     S = key_splits(blocks, TB, triton.cdiv(L, BN), num_sms(q.device))
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
-    HI = max(16, triton.next_power_of_2(q.shape[1]))
     _scores_kernel[(blocks, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
         gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
         allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
         rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
-        HI=HI, TB=TB, RESTRICT=args.candidates is not None, BN=BN,
+        HI=max(16, triton.next_power_of_2(q.shape[1])), TB=TB, RESTRICT=args.candidates is not None, BN=BN,
         PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES,
         FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4,
-        maxnreg=max_registers(TB, args.fmt.fp4, HI))
+        maxnreg=max_registers(TB, args.fmt.fp4))
 
 
 def key_splits(blocks: int, tokens: int, key_blocks: int, sms: int) -> int:
@@ -421,11 +410,9 @@ def key_splits(blocks: int, tokens: int, key_blocks: int, sms: int) -> int:
     return max(1, min(key_blocks, splits))
 
 
-def max_registers(tokens: int, fp4: bool, heads: int) -> Optional[int]:
-    """The register limit of a launch of ``tokens`` tokens a program and ``heads`` (a power of
-    two) a product (``None``: the compiler's; two fp8 products of 64 heads in flight do not
-    fit the limit)."""
-    return PREFILL_FP8_REGISTERS if tokens > 1 and not fp4 and heads <= 32 else None
+def max_registers(tokens: int, fp4: bool) -> Optional[int]:
+    """The register limit of a launch of ``tokens`` tokens a program (``None``: the compiler's)."""
+    return PREFILL_FP8_REGISTERS if tokens > 1 and not fp4 else None
 
 
 def gluon_args_unsupported(args: IndexerArgs) -> Optional[str]:
