@@ -533,7 +533,8 @@ def test_candidates_opcheck_and_bad_input():
 @pytest.mark.parametrize("shard", [(0, 1, 1), (1, 2, 1), (0, 3, 2)], ids=["one-rank", "rank1-of-2", "rank0-of-3-I2"])
 def test_topk_and_candidates_equal_the_two_ops(backend, index_format, order, shard):
     """One scoring, both results: the ids equal ``indexer_topk``'s and the blocks
-    ``indexer_candidates``' (a DCP rank's call included), each with its scores."""
+    ``indexer_candidates``' (a DCP rank's call included), each with its scores, both in
+    ``order``."""
     if backend == "triton":
         pytest.importorskip("triton")
     from compile_ops.indexer import reference
@@ -546,8 +547,12 @@ def test_topk_and_candidates_equal_the_two_ops(backend, index_format, order, sha
     both = getattr(impl, "indexer_topk_and_candidates" + suffix)(
         ops._args(*args, 5, fmt, candidate_block=3, shard=shard, order=order, n_blocks=4))
     ids = getattr(impl, "indexer_topk" + suffix)(ops._args(*args, 5, fmt, candidate_block=3, shard=shard, order=order))
-    blocks = getattr(impl, "indexer_candidates" + suffix)(ops._args(*args, 4, fmt, candidate_block=3, shard=shard))
-    for got, want in zip(both, (ids, blocks)):
+    blocks, block_scores = getattr(impl, "indexer_candidates" + suffix)(
+        ops._args(*args, 4, fmt, candidate_block=3, shard=shard))
+    if order == "id":  # the same blocks in ascending order
+        blocks, moved = reference.by_id(blocks)
+        block_scores = block_scores.gather(1, moved)
+    for got, want in zip(both, (ids, (blocks, block_scores))):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -238,7 +238,7 @@ def dcp_indexer_topk_and_candidates(q: Tensor, weights: Tensor, index_cache: Ten
     (ids, scores), (blocks, block_scores) = _run("indexer_topk_and_candidates", args)
     ids = _dcp_merge(global_ids(ids, rank, world, interleave), scores, k, group_name, world)
     blocks = _dcp_merge(blocks, block_scores, n_blocks, group_name, world, distinct=True)
-    return by_id(ids)[0] if order == "id" else ids, blocks
+    return (by_id(ids)[0], by_id(blocks)[0]) if order == "id" else (ids, blocks)
 
 
 @dcp_indexer_topk_and_candidates.register_fake
@@ -418,13 +418,16 @@ indexer_topk_and_candidates.__doc__ = """:func:`indexer_topk` and :func:`indexer
 
 DeepSeek-V4.1's candidate source layer takes its own top-k (unrestricted) and the candidate
 blocks of the index layers after it from the same scores: this op scores each token's
-entries once and returns both, each exactly what the two ops return (``ids`` in ``order``,
-``blocks`` in descending block score), so the layer reads its index keys once.
+entries once and returns both, each exactly what the two ops return, so the layer reads its
+index keys once. ``order`` orders both: ``"score"`` as the two ops do, ``"id"`` the same ids
+and blocks in ascending order (``-1`` last; the attention layer's call, which turns the
+blocks into a mask, so no sort of them runs).
 
 Args:
-    q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, order:
-        as :func:`indexer_topk` (no ``candidates``).
+    q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format: as
+        :func:`indexer_topk` (no ``candidates``).
     n_blocks, block: as :func:`indexer_candidates`.
+    order: ``"score"`` or ``"id"``, of the ids and the blocks.
 
 Returns:
     ``(ids [T, k], blocks [T, n_blocks])`` int32.

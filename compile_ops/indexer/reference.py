@@ -76,7 +76,7 @@ def by_id(ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _ordered(args: IndexerArgs, ids: Tensor, scores: Tensor) -> tuple[Tensor, Tensor]:
-    """``(ids, scores)`` of a top-k by score, in ``args.order``."""
+    """``(ids, scores)`` of a top-k by score (entries or blocks), in ``args.order``."""
     if args.order == "id":
         ids, order = by_id(ids)
         scores = scores.gather(1, order)
@@ -99,4 +99,4 @@ def indexer_topk_and_candidates_reference(args: IndexerArgs) -> tuple[tuple[Tens
     (no ``candidates``), from one scoring."""
     ids, scores, blocks, block_values = _per_chunk(args, lambda s, lo, hi: (
         *topk_of_scores(s, args.k), *topk_of_scores(block_scores(s, args, lo, hi), args.n_blocks)))
-    return _ordered(args, ids, scores), (blocks, block_values)
+    return _ordered(args, ids, scores), _ordered(args, blocks, block_values)

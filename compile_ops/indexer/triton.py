@@ -725,7 +725,7 @@ def _select_ids(args: IndexerArgs, scores, n, out, maxima: Optional[GroupMaxima]
 
 def _select_blocks(args: IndexerArgs, scores, n, lo, hi, out, width: int) -> None:
     blocks, visible = visible_block_scores(args, scores, n, lo, hi)
-    topk_of_rows(blocks, visible, *out, width)
+    topk_of_rows(blocks, visible, *out, width, sort=args.order == "score")
 
 
 def indexer_topk_triton(args: IndexerArgs, launch=launch_scores) -> tuple[torch.Tensor, torch.Tensor]:
