@@ -120,13 +120,42 @@ def _pages(table, row, n_t, blk, s_bt, page_size, PAGE_SHIFT: gl.constexpr, BN: 
 
 
 @gluon.jit
-def _copy_block(kbuf, ebuf, vbuf, stage, page, cache, allowed, i_t, n_t, blk, s_page, s_at, num_slots, page_size,
-                rank, world, interleave, block, nb, RESTRICT: gl.constexpr, PAGE_SHIFT: gl.constexpr,
-                BN: gl.constexpr, ROW_BYTES: gl.constexpr, CPL: gl.constexpr):
+def _candidate_bits(allowed, t0, lo, hi, n_t, blk, s_at, rank, world, interleave, block, nb, TB: gl.constexpr,
+                    BN: gl.constexpr, CROW: gl.constexpr):
+    """Block ``blk``'s rows as ``[BN]`` int32 bits in ``CROW``: bit ``u`` where token ``t0 + u``
+    (one of the run ``lo:hi``) may score the row's entry, which lies in one of its candidate
+    blocks (global ids); loaded one step before the copy, as the pages are, so that neither
+    the copy nor a token's scores wait on the candidates."""
+    c = blk * BN + gl.arange(0, BN, CROW)
+    g_blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
+    m = (c < n_t) & (g_blk < nb)
+    bits = gl.zeros([BN], gl.int32, CROW)
+    for u in gl.static_range(TB):
+        t = t0 + u
+        ok = gl.load(allowed + t * s_at + g_blk, mask=m & (t >= lo) & (t < hi), other=0) != 0
+        bits = bits | (ok.to(gl.int32) << u)
+    return bits
+
+
+@gluon.jit
+def _run_bits(allowed, t0, lo, hi, n_t, blk, s_at, rank, world, interleave, block, nb, RESTRICT: gl.constexpr,
+              TB: gl.constexpr, BN: gl.constexpr, CROW: gl.constexpr):
+    """Which of the program's tokens ``t0 ..`` score block ``blk``'s rows: with ``RESTRICT``
+    :func:`_candidate_bits`, else every token's bit (the rows past ``n_t`` are no entry)."""
+    if RESTRICT:
+        return _candidate_bits(allowed, t0, lo, hi, n_t, blk, s_at, rank, world, interleave, block, nb, TB, BN, CROW)
+    else:
+        return gl.full([BN], (1 << TB) - 1, gl.int32, CROW)
+
+
+@gluon.jit
+def _copy_block(kbuf, ebuf, vbuf, stage, page, bits, cache, n_t, blk, s_page, num_slots, page_size,
+                PAGE_SHIFT: gl.constexpr, BN: gl.constexpr, ROW_BYTES: gl.constexpr, CPL: gl.constexpr):
     """Start copying block ``blk``'s keys (``page``: :func:`_pages`) into ring slot ``stage``:
     the rows' ``ROW_BYTES`` key bytes into ``kbuf`` (``kbuf``'s dtype), their four scale
     bytes (after the page's rows) into ``ebuf`` (``cp.async``, 16 and 4 bytes a copy; rows
-    with no scored entry are zero-filled), and which rows hold a scored entry into ``vbuf``."""
+    no token scores are zero-filled), and which tokens score each row into ``vbuf`` (``bits``
+    where the row holds an entry, :func:`_candidate_bits`; else 0)."""
     CROW: gl.constexpr = gl.SliceLayout(1, CPL)
     c = blk * BN + gl.arange(0, BN, CROW)
     if PAGE_SHIFT >= 0:
@@ -134,17 +163,14 @@ def _copy_block(kbuf, ebuf, vbuf, stage, page, cache, allowed, i_t, n_t, blk, s_
     else:
         off = c % page_size
     page = page.to(gl.int64)
-    valid = (c < n_t) & (page >= 0) & (page * page_size + off < num_slots)
-    if RESTRICT:  # entries outside the token's candidate blocks (global ids) score -inf
-        g_blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
-        valid = valid & (gl.load(allowed + i_t * s_at + g_blk, mask=valid & (g_blk < nb), other=0) != 0)
+    valid = (c < n_t) & (page >= 0) & (page * page_size + off < num_slots) & (bits != 0)
     base = cache + gl.where(valid, page, 0) * s_page
     o_b = gl.arange(0, ROW_BYTES, gl.SliceLayout(0, CPL))
     rows = (base + off * ROW_BYTES).to(gl.pointer_type(kbuf.dtype))
     _async_load(kbuf.index(stage), rows[:, None] + o_b[None, :], mask=valid[:, None])
     _async_load(ebuf.index(stage), (base + page_size * ROW_BYTES + off * 4).to(gl.pointer_type(gl.int32)), mask=valid)
     async_copy.commit_group()
-    vbuf.index(stage).store(valid.to(gl.int32))
+    vbuf.index(stage).store(gl.where(valid, bits, 0))
 
 
 @gluon.jit
@@ -220,19 +246,15 @@ def _fp8_query(q_smem, q, w, i_t, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr):
 
 
 @gluon.jit
-def _token_scores(b_s, valid, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, allowed, s_at, gmax, s_gt,
-                  rank, world, interleave, block, nb, RESTRICT: gl.constexpr, BN: gl.constexpr, G: gl.constexpr,
-                  GROUPS: gl.constexpr):
+def _token_scores(b_s, bits, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, gmax, s_gt, BN: gl.constexpr,
+                  G: gl.constexpr, GROUPS: gl.constexpr):
     """Token ``t`` (index ``i_t`` of the program's block) of a run (``run_j`` of the block's
     tokens ``o_j``, counts ``n_j``): its scores ``b_s [BN]`` of entries ``first ..`` (``-inf``
-    where not ``valid`` and, with ``RESTRICT``, outside its candidate blocks) stored up to its
-    own count, and the top-k's group maxima of them."""
+    where bit ``i_t`` of the rows' ``bits`` is clear: a hole, or outside its candidate
+    blocks) stored up to its own count, and the top-k's group maxima of them."""
     c = first + gl.arange(0, BN, b_s.type.layout)
     n_t = gl.sum(gl.where((o_j == i_t) & run_j, n_j, 0), 0)  # 0: not in the run
-    if RESTRICT:  # entries outside the token's candidate blocks (global ids) score -inf
-        g_blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
-        valid = valid & (gl.load(allowed + t * s_at + g_blk, mask=valid & (g_blk < nb), other=0) != 0)
-    b_s = gl.where(valid, b_s, float("-inf"))
+    b_s = gl.where(((bits >> i_t) & 1) != 0, b_s, float("-inf"))
     gl.store(p_scores + t.to(gl.int64) * s_st + c, b_s, mask=c < n_t)
     if GROUPS:  # the top-k's first pass, while the scores are in registers (a warp's rows: one group)
         best = gl.max(gl.reshape(gl.where(b_s > float("-inf"), b_s, float("-inf")), [BN // G, G]), 1)
@@ -272,8 +294,6 @@ def _scores_kernel(
     # the copies: 16 bytes a lane, a row's bytes over ROW_BYTES // 16 lanes
     CPL: gl.constexpr = gl.BlockedLayout([1, 16], [512 // ROW_BYTES, ROW_BYTES // 16], [4, 1], [1, 0])
     CROW: gl.constexpr = gl.SliceLayout(1, CPL)
-    # one token's candidate blocks restrict its copies; a block of tokens restricts each one's scores
-    COPY_RESTRICT: gl.constexpr = RESTRICT and TB == 1
 
     i_b, i_s = gl.program_id(0), gl.program_id(1)
     o_j = gl.arange(0, TB, JL)
@@ -318,28 +338,33 @@ def _scores_kernel(
             n_t = gl.max(gl.where(run_j, n_j, 0), 0)
             nb_t = gl.cdiv(n_t, BN)
             if (row != before) & (i_s < nb_t):  # a run starts at token g
-                i_t = i_b * TB + g  # (the one token of a restricted copy)
+                lo = i_b * TB + g  # the run: tokens lo:hi
+                hi = lo + gl.sum(run_j.to(gl.int32), 0)
                 # blocks i_s, i_s + S, ... in a ring of STAGES slots: STAGES - 1 copies in flight
                 for p in gl.static_range(STAGES - 1):
                     page = _pages(table, row, n_t, i_s + p * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
-                    _copy_block(kbuf, ebuf, vbuf, p, page, cache, allowed, i_t, n_t, i_s + p * S, s_page, s_at,
-                                num_slots, page_size, rank, world, interleave, block, nb, COPY_RESTRICT, PAGE_SHIFT,
-                                BN, ROW_BYTES, CPL)
+                    bits = _run_bits(allowed, i_b * TB, lo, hi, n_t, i_s + p * S, s_at, rank, world, interleave,
+                                     block, nb, RESTRICT, TB, BN, CROW)
+                    _copy_block(kbuf, ebuf, vbuf, p, page, bits, cache, n_t, i_s + p * S, s_page, num_slots,
+                                page_size, PAGE_SHIFT, BN, ROW_BYTES, CPL)
                 page = _pages(table, row, n_t, i_s + (STAGES - 1) * S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
+                bits = _run_bits(allowed, i_b * TB, lo, hi, n_t, i_s + (STAGES - 1) * S, s_at, rank, world,
+                                 interleave, block, nb, RESTRICT, TB, BN, CROW)
                 for i in range(0, gl.cdiv(nb_t - i_s, S)):
                     blk = i_s + i * S
                     ahead = blk + (STAGES - 1) * S
                     next_page = _pages(table, row, n_t, ahead + S, s_bt, page_size, PAGE_SHIFT, BN, CROW)
+                    next_bits = _run_bits(allowed, i_b * TB, lo, hi, n_t, ahead + S, s_at, rank, world, interleave,
+                                          block, nb, RESTRICT, TB, BN, CROW)
                     async_copy.wait_group(STAGES - 2)  # this thread's copies of block blk have landed ...
                     if not FP4:
                         fence_async_shared()  # ... visible to the tensor cores' reads ...
                     _cta_barrier()  # ... and every thread's; the slot refilled below was read one step ago
                     st = i % STAGES
                     keys = kbuf.index(st)
-                    _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, cache, allowed, i_t, n_t, ahead,
-                                s_page, s_at, num_slots, page_size, rank, world, interleave, block, nb,
-                                COPY_RESTRICT, PAGE_SHIFT, BN, ROW_BYTES, CPL)
-                    valid = vbuf.index(st).load(ROW) != 0
+                    _copy_block(kbuf, ebuf, vbuf, (i + STAGES - 1) % STAGES, page, bits, cache, n_t, ahead, s_page,
+                                num_slots, page_size, PAGE_SHIFT, BN, ROW_BYTES, CPL)
+                    scored = vbuf.index(st).load(ROW)  # bit j: token j scores the row
                     exps = ebuf.index(st).load(ROW)
                     if FP4:  # the keys' operands once for all the tokens
                         o0 = _operand(keys.slice(0, 16, dim=1).load(KL), A_L)
@@ -348,9 +373,8 @@ def _scores_kernel(
                         o3 = _operand(keys.slice(48, 16, dim=1).load(KL), A_L)
                         for j in range(TB):  # (a loop, not unrolled: one token's product in registers at a time)
                             b_s = _block_scores(o0, o1, o2, o3, exps, q_smem, 4 * j, w_smem.index(j).load(COL), zero)
-                            _token_scores(b_s, valid, blk * BN, i_b * TB + j, j, run_j, n_j, o_j, scores, s_st,
-                                          allowed, s_at, gmax, s_gt, rank, world, interleave, block, nb,
-                                          RESTRICT and TB > 1, BN, G, GROUPS)
+                            _token_scores(b_s, scored, blk * BN, i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, gmax,
+                                          s_gt, BN, G, GROUPS)
                     else:  # one 128-deep product from shared memory for STEP tokens
                         for j in range(0, TB, STEP):
                             acc = warpgroup_mma(keys, q_smem.index(j // STEP).permute((1, 0)), zero, use_acc=False)
@@ -358,19 +382,17 @@ def _scores_kernel(
                             scale = exps.to(gl.float32, bitcast=True)
                             if PAIR:  # the first token's heads, then the second's
                                 first = (gl.arange(0, STEP * HI, COL) < HI)[None, :]
-                                _token_scores(gl.sum(gl.where(first, x, 0.0), 1) * scale, valid, blk * BN,
-                                              i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, allowed, s_at, gmax,
-                                              s_gt, rank, world, interleave, block, nb, RESTRICT and TB > 1, BN, G,
+                                _token_scores(gl.sum(gl.where(first, x, 0.0), 1) * scale, scored, blk * BN,
+                                              i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, gmax, s_gt, BN, G,
                                               GROUPS)
-                                _token_scores(gl.sum(gl.where(first, 0.0, x), 1) * scale, valid, blk * BN,
-                                              i_b * TB + j + 1, j + 1, run_j, n_j, o_j, scores, s_st, allowed, s_at,
-                                              gmax, s_gt, rank, world, interleave, block, nb, RESTRICT and TB > 1, BN,
+                                _token_scores(gl.sum(gl.where(first, 0.0, x), 1) * scale, scored, blk * BN,
+                                              i_b * TB + j + 1, j + 1, run_j, n_j, o_j, scores, s_st, gmax, s_gt, BN,
                                               G, GROUPS)
                             else:
-                                _token_scores(gl.sum(x, 1) * scale, valid, blk * BN, i_b * TB + j, j, run_j, n_j, o_j,
-                                              scores, s_st, allowed, s_at, gmax, s_gt, rank, world, interleave, block,
-                                              nb, RESTRICT and TB > 1, BN, G, GROUPS)
+                                _token_scores(gl.sum(x, 1) * scale, scored, blk * BN, i_b * TB + j, j, run_j, n_j, o_j,
+                                              scores, s_st, gmax, s_gt, BN, G, GROUPS)
                     page = next_page
+                    bits = next_bits
                 async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
                 _cta_barrier()  # every thread's reads of the ring done before the next run refills it
 
