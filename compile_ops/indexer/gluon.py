@@ -110,13 +110,17 @@ def _store_query(q_smem, code, exponent, top, g):
 @gluon.jit
 def _pages(table, row, n_t, blk, s_bt, page_size, PAGE_SHIFT: gl.constexpr, BN: gl.constexpr, CROW: gl.constexpr):
     """Block ``blk``'s page per row (``[BN]`` int32 in ``CROW``; ``-1``: past the token's
-    count or a hole), loaded one step before its copy so that no copy waits on it."""
-    c = blk * BN + gl.arange(0, BN, CROW)
-    if PAGE_SHIFT >= 0:  # a power-of-two page: no integer division per row
-        i_p = c >> PAGE_SHIFT
+    count or a hole), or its one page (int32) where pages hold whole blocks (a power of two
+    of at least ``BN`` entries), loaded one step before its copy so that no copy waits on it."""
+    if PAGE_SHIFT >= 0 and (1 << PAGE_SHIFT) >= BN:
+        return gl.load(table + row * s_bt + ((blk * BN) >> PAGE_SHIFT), mask=blk * BN < n_t, other=-1)
     else:
-        i_p = c // page_size
-    return gl.load(table + row * s_bt + i_p, mask=c < n_t, other=-1)
+        c = blk * BN + gl.arange(0, BN, CROW)
+        if PAGE_SHIFT >= 0:  # a power-of-two page: no integer division per row
+            i_p = c >> PAGE_SHIFT
+        else:
+            i_p = c // page_size
+        return gl.load(table + row * s_bt + i_p, mask=c < n_t, other=-1)
 
 
 @gluon.jit
@@ -157,14 +161,18 @@ def _copy_block(kbuf, ebuf, vbuf, stage, page, bits, cache, n_t, blk, s_page, nu
     no token scores are zero-filled), and which tokens score each row into ``vbuf`` (``bits``
     where the row holds an entry, :func:`_candidate_bits`; else 0)."""
     CROW: gl.constexpr = gl.SliceLayout(1, CPL)
-    c = blk * BN + gl.arange(0, BN, CROW)
-    if PAGE_SHIFT >= 0:
+    o_r = gl.arange(0, BN, CROW)
+    c = blk * BN + o_r
+    if PAGE_SHIFT >= 0 and (1 << PAGE_SHIFT) >= BN:  # one page, its consecutive rows
+        off = ((blk * BN) & ((1 << PAGE_SHIFT) - 1)) + o_r
+    elif PAGE_SHIFT >= 0:
         off = c & (page_size - 1)
     else:
         off = c % page_size
     page = page.to(gl.int64)
     valid = (c < n_t) & (page >= 0) & (page * page_size + off < num_slots) & (bits != 0)
-    base = cache + gl.where(valid, page, 0) * s_page
+    # (a hole's rows address page 0: their copies are masked and read nothing)
+    base = cache + gl.where(page >= 0, page, 0) * s_page
     o_b = gl.arange(0, ROW_BYTES, gl.SliceLayout(0, CPL))
     rows = (base + off * ROW_BYTES).to(gl.pointer_type(kbuf.dtype))
     _async_load(kbuf.index(stage), rows[:, None] + o_b[None, :], mask=valid[:, None])
