@@ -66,7 +66,9 @@ BN = 64  # entries per scores block
 TOPK_SEGMENTS = (2048, 8192)  # entries one top-k program selects from (in its registers)
 TOPK_GATHER_SEGMENT = 4096  # ... when it gathers them through group ids (8192 spill registers)
 TOPK_GROUP = 16  # entries per group of a long row's first selection
-TOPK_GROUPED_FROM = 4  # rows of at least this many k * TOPK_GROUP entries select groups first
+# rows of more than this many k * TOPK_GROUP entries select groups first (at k = 512: rows
+# past one top-k program's segment, which would otherwise take a second level)
+TOPK_GROUPED_FROM = 1
 SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill's bound)
 SCORES_TOKENS = 4  # most tokens of one request a ``tl`` scores program takes (scores_tokens)
 FP4_QUERY_ROWS = 64  # ... and at most this many query rows (tokens x heads) of fp4 keys: more spill on sm_90
@@ -494,7 +496,7 @@ def _selection(T, L: int, k: int, sms: int, segment: Optional[int], source: int,
 
 def grouped(L: int, k: int) -> bool:
     """Whether the top-k of rows of ``L`` scores goes through their groups' best scores."""
-    return L >= TOPK_GROUPED_FROM * triton.next_power_of_2(k) * TOPK_GROUP
+    return L > TOPK_GROUPED_FROM * triton.next_power_of_2(k) * TOPK_GROUP
 
 
 GROUP_MAX_BLOCK = 256 * TOPK_GROUP  # scores per program of the group maxima
