@@ -384,10 +384,10 @@ def _scores_kernel(
                             _token_scores(b_s, scored, blk * BN, i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, gmax,
                                           s_gt, BN, G, GROUPS)
                     else:  # one 128-deep product from shared memory for STEP tokens
+                        scale = exps.to(gl.float32, bitcast=True)  # the keys' fp32 scales
                         for j in range(0, TB, STEP):
                             acc = warpgroup_mma(keys, q_smem.index(j // STEP).permute((1, 0)), zero, use_acc=False)
                             x = gl.maximum(acc, 0.0) * w_smem.index(j // STEP).load(COL)[None, :]
-                            scale = exps.to(gl.float32, bitcast=True)
                             if PAIR:  # the first token's heads, then the second's
                                 first = (gl.arange(0, STEP * HI, COL) < HI)[None, :]
                                 _token_scores(gl.sum(gl.where(first, x, 0.0), 1) * scale, scored, blk * BN,
