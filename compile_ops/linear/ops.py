@@ -75,8 +75,9 @@ accumulate in fp32. Shapes follow the inputs only; no host sync. Backends, in ``
 order: ``scaled_mm`` (cuBLAS's blockwise FP8 GEMM through
 ``torch.nn.functional.scaled_mm``, on Hopper with a torch that has it, for 128-block
 calls of one group, at least 128 tokens and 2**19 outputs), ``triton`` (a block-scaled
-FP8 GEMM that splits K over the SMs for decode batches, weight-only at ``M <= 64``, a
-GEMV on the CUDA cores at ``M = 1``; any CUDA GPU, both layouts), and
+FP8 GEMM that splits K over the SMs for decode batches, weight-only up to the layout's
+``weight_only_tokens``, a GEMV on the CUDA cores at ``M = 1``; past them with 32-blocks
+both operands exactly in bf16 on cuBLAS; any CUDA GPU, both layouts), and
 the dequantizing plain-torch ``reference``.
 
 Example::
