@@ -30,6 +30,15 @@ BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
 INDEXER_BUILDS = [f"indexer:{fmt}:{build}:{tokens}" for fmt in ("fp4", "fp8")
                   for build in ("32:0:6:0", "32:1:-1:1", "64:0:5:1", "64:1:6:0", "16:0:6:1") for tokens in (1, 4)]
 
+# the Gluon top-k levels (compile_ops.indexer.gluon._topk_level_kernel): every level the plans of
+# rows of 512 to 1M scores, k = 512 and 2048, run on it (those that keep id order and hold
+# an entry a thread at least), "topk:source:seg:k_pad:last:warps"
+TOPK_BUILDS = ["topk:0:512:512:1:4", "topk:0:2048:512:0:8", "topk:0:2048:512:1:8", "topk:0:2048:2048:1:8",
+               "topk:0:8192:512:0:16", "topk:0:8192:512:1:16", "topk:0:8192:2048:0:16", "topk:0:8192:2048:1:16",
+               "topk:1:1024:512:1:4", "topk:1:2048:512:0:8", "topk:1:2048:512:1:8", "topk:1:4096:512:1:8",
+               "topk:1:4096:2048:1:8", "topk:1:8192:2048:0:16", "topk:1:8192:2048:1:16", "topk:2:2048:512:0:8",
+               "topk:2:4096:512:0:8", "topk:2:8192:2048:0:16"]
+
 SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt into on sm_90
 POINTER_TYPES = {
     "q": "*bf16", "out": "*bf16", "lse": "*fp32", "part_o": "*fp32", "part_lse": "*fp32", "sink": "*fp32",
@@ -100,11 +109,52 @@ def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
 
 
+def build_topk_sm90(source: int, seg: int, k_pad: int, last: bool, warps: int):
+    """:func:`compile_ops.indexer.gluon._topk_level_kernel` compiled for sm_90 as
+    ``compile_ops.indexer.triton._launch`` launches one level (a selection of groups, source
+    0 of a grouped row, stores its bound)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from compile_ops.indexer import gluon
+    from compile_ops.indexer.triton import TOPK_GROUP
+
+    kernel = gluon._topk_level_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = dict(src_vals="*fp32", src_ids="*i32", n="*i32", n_src="*i32", cand_vals="*fp32", cand_ids="*i32",
+                 ids="*i32", vals="*fp32", bound="*i32")
+    options = dict(SOURCE=source, G=TOPK_GROUP, SEG=seg, K_PAD=k_pad, LAST=last, BOUND=source == 0, W=warps)
+    signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if signature[n].startswith("*") or n in ("s_src", "s_ids", "s_cand", "s_out")}
+    source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in options.items()}, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
+def loop_barriers(sass: str) -> list[int]:
+    """The ``BAR.SYNC`` count of each loop of a kernel's SASS (a backward branch's span;
+    an instruction is 16 bytes)."""
+    lines = sass.splitlines()
+    counts = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA (?:!?U?P\d, )?0x([0-9a-f]+)", line)
+        if m and int(m.group(1), 16) // 16 < i:
+            counts.append(sum("BAR.SYNC" in lines[j] for j in range(int(m.group(1), 16) // 16, i + 1)))
+    return counts
+
+
 def build_report(build):
     """What the tests check of one ``"kv_format:dsplit"`` (or ``INDEXER_BUILDS``) sm_90 build."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
     from sm90_build import full_sass
 
+    if build.startswith("topk:"):
+        _, source, seg, k_pad, last, warps = build.split(":")
+        compiled = build_topk_sm90(int(source), int(seg), int(k_pad), last == "1", int(warps))
+        sass = full_sass(compiled.asm["cubin"])
+        return dict(spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)), loops=loop_barriers(sass),
+                    redux=sass.count("REDUX"))
     if build.startswith("indexer:"):
         _, index_format, heads, restrict, page_shift, groups, tokens = build.split(":")
         compiled = build_indexer_sm90(index_format, int(heads), restrict == "1", int(page_shift), groups == "1",
@@ -136,7 +186,7 @@ def reports():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, __file__, *BUILDS, *INDEXER_BUILDS], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, __file__, *BUILDS, *INDEXER_BUILDS, *TOPK_BUILDS], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])
 
@@ -165,6 +215,16 @@ def test_indexer_scores_build_for_sm90_without_spills(build, reports):
     if index_format == "fp8":  # a pair of tokens' queries are one product's columns where one's are under 64
         width = max(16, int(heads)) * (2 if tokens != "1" and int(heads) < 64 else 1)
         assert report["shapes"] == [f"64x{width}x32"], report
+
+
+@pytest.mark.parametrize("build", TOPK_BUILDS)
+def test_topk_levels_build_for_sm90_with_one_barrier_a_search_step(build, reports):
+    """The Gluon top-k level: no spills, and its search loop (two steps an iteration) two
+    barriers, one a step (``tl.sum``'s block reduction takes three a step)."""
+    report = reports[build]
+    assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
+    assert report["redux"] >= 2 and 2 in report["loops"], report  # the counts within a warp: REDUX
+    assert all(count <= 2 for count in report["loops"]), report
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
-"""Gluon scores kernel for ``fp4`` and ``fp8`` index keys on Hopper (sm_90): backend ``"gluon"``.
+"""Gluon scores and top-k kernels for ``fp4`` and ``fp8`` index keys on Hopper (sm_90): backend ``"gluon"``.
 
-The same op, arguments and top-k as the ``triton`` backend (:mod:`compile_ops.indexer.triton`);
-only the scores kernel differs. The portable kernel reads fp8 keys row by row (or, on
+The same op, arguments and top-k levels as the ``triton`` backend
+(:mod:`compile_ops.indexer.triton`). A top-k level that keeps its entries in id order runs
+:func:`_topk_level_kernel`: the portable kernel's search, whose steps each count the
+entries over a bound across the program, with one barrier a step (each warp's count, then
+all warps' through shared memory) where ``tl.sum``'s block reduction takes three and a
+chain of shuffles; a level that sorts stays on the portable kernel (``tl.sort``). The
+scores kernel differs more. The portable kernel reads fp8 keys row by row (or, on
 pages of whole 64-entry blocks, by TMA) with a ``tl.dot`` whose operand layout the compiler
 chooses, and for ``fp4`` keys leaves it to the compiler to move the converted keys into
 the MMA's operand layout, which costs more than the conversion. Here, for both formats:
@@ -60,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from compile_ops._triton_quant import (_E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, power_of_two, to_e4m3,
                                       ue8m0_exponent)
 from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
-from compile_ops.indexer.triton import (BN, TOPK_GROUP, GroupMaxima, _local_count, _store_group_counts,
+from compile_ops.indexer.triton import (BN, TOPK_GROUP, GroupMaxima, _local_count, _sortable, _store_group_counts,
                                         indexer_candidates_triton, indexer_topk_and_candidates_triton,
                                         indexer_topk_triton, scores_tokens)
 from compile_ops.mla.gluon import _async_load, _cta_barrier
@@ -405,6 +410,112 @@ def _scores_kernel(
                 _cta_barrier()  # every thread's reads of the ring done before the next run refills it
 
 
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _program_sum(x, scratch, W: gl.constexpr, RL: gl.constexpr):
+    """The sum of int32 ``x [SEG]`` (warp ``w`` holding entries ``w SEG / W ..``) over the
+    program with one barrier: each warp adds its own part (within the warp), the ``W`` sums
+    meet in ``scratch`` and every thread adds them (``RL``: all ``W`` in each thread).
+    Consecutive calls alternate two ``scratch`` buffers, so none waits to overwrite one."""
+    scratch.store(gl.sum(gl.reshape(x, [W, x.shape[0] // W]), axis=1))
+    _cta_barrier()
+    return gl.sum(scratch.load(RL), axis=0)
+
+
+@gluon.jit
+def _kth_key_fast(key, ok, K, held, scr_a, scr_b, W: gl.constexpr, RL: gl.constexpr):
+    """``compile_ops.indexer.triton._kth_key`` (``held``: the count of ``ok``), its search
+    steps counted by :func:`_program_sum`, two an iteration (one per scratch buffer)."""
+    want = gl.minimum(K, held)
+    lo = gl.min(gl.where(ok, key, 2147483647), axis=0).to(gl.int64)  # count(key >= lo) >= want
+    hi = gl.max(gl.where(ok, key, -2147483648), axis=0).to(gl.int64) + 1  # count(key >= hi) < want
+    at_lo = held
+    while (hi - lo > 1) & (at_lo != want):
+        mid = lo + (hi - lo) // 2
+        at_mid = _program_sum((ok & (key >= mid.to(gl.int32))).to(gl.int32), scr_a, W, RL)
+        up = at_mid >= want
+        lo = gl.where(up, mid, lo)
+        at_lo = gl.where(up, at_mid, at_lo)
+        hi = gl.where(up, hi, mid)
+        # the second step runs whether or not the first ended the search, and changes nothing
+        # if it did (no branch: the scratch buffers' barriers stay one a step)
+        going = (hi - lo > 1) & (at_lo != want)
+        mid = lo + (hi - lo) // 2
+        at_mid = _program_sum((ok & (key >= mid.to(gl.int32))).to(gl.int32), scr_b, W, RL)
+        up = going & (at_mid >= want)
+        lo = gl.where(up, mid, lo)
+        at_lo = gl.where(up, at_mid, at_lo)
+        hi = gl.where(going & (at_mid < want), mid, hi)
+    thr = gl.min(gl.where(ok & (key >= lo.to(gl.int32)), key, 2147483647), axis=0)
+    return thr, want - gl.sum((ok & (key > thr)).to(gl.int32), axis=0)
+
+
+@gluon.jit
+def _topk_level_kernel(
+    src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, bound, s_src, s_ids, s_cand, s_out, K, PREV_COVER,
+    COVER, SOURCE: gl.constexpr, G: gl.constexpr, SEG: gl.constexpr, K_PAD: gl.constexpr, LAST: gl.constexpr,
+    BOUND: gl.constexpr, W: gl.constexpr,
+):
+    """``compile_ops.indexer.triton._segment_topk_kernel`` in id order (no ``SORTED``) with
+    ``W`` warps: the same entries, ids and order; its search's steps each one barrier
+    (:func:`_program_sum`) where the portable kernel's block reductions take three."""
+    LS: gl.constexpr = gl.BlockedLayout([SEG // (32 * W)], [32], [W], [0])  # warp w: entries w SEG / W ..
+    RL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])  # the W warps' sums in every thread
+    KL: gl.constexpr = gl.BlockedLayout([K_PAD // (32 * W) if K_PAD >= 32 * W else 1], [32], [W], [0])
+    scr_a = gl.allocate_shared_memory(gl.int32, [W], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    scr_b = gl.allocate_shared_memory(gl.int32, [W], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    i_t, i_s = gl.program_id(0), gl.program_id(1)
+    n_t = gl.maximum(gl.load(n + i_t), 0)
+    if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
+        o = gl.arange(0, SEG, LS)
+        c = i_s * SEG + o
+        if SOURCE == 0:
+            valid = c < n_t
+            idx = c
+            x = gl.load(src_vals + i_t.to(gl.int64) * s_src + c, mask=valid, other=float("-inf"))
+        elif SOURCE == 1:  # the slots of the earlier level's programs that had entries
+            valid = c < gl.cdiv(n_t, PREV_COVER) * K_PAD
+            idx = gl.load(src_ids + i_t.to(gl.int64) * s_ids + c, mask=valid, other=0)
+            x = gl.load(src_vals + i_t.to(gl.int64) * s_src + c, mask=valid, other=float("-inf"))
+        else:
+            group = gl.load(src_ids + i_t.to(gl.int64) * s_ids + c // G, mask=c < n_t, other=-1)
+            idx = group * G + c % G
+            valid = (group >= 0) & (idx < gl.load(n_src + i_t))
+            x = gl.load(src_vals + i_t.to(gl.int64) * s_src + idx, mask=valid, other=float("-inf"))
+        key = _sortable(x)
+        ok = valid & (x > float("-inf"))
+        if SOURCE == 2:  # under the K-th best group's best: not in the top-K
+            ok = ok & (key >= gl.load(bound + i_t))
+        held = gl.sum(ok.to(gl.int32), axis=0)
+        thr = gl.to_tensor(-2147483648)  # keep every entry ...
+        need = K
+        if held > K:  # ... unless this program holds more than K
+            thr, need = _kth_key_fast(key, ok, K, held, scr_a, scr_b, W, RL)
+        eq = (ok & (key == thr)).to(gl.int32)
+        keep = (ok & (key > thr)) | ((eq != 0) & (gl.associative_scan(eq, 0, _add) - eq < need))
+        keep_i = keep.to(gl.int32)
+        at = gl.associative_scan(keep_i, 0, _add) - keep_i
+        taken = gl.sum(keep_i, axis=0)
+        o_k = gl.arange(0, K_PAD, KL)
+        if LAST or n_t <= COVER:
+            if BOUND:
+                gl.store(bound + i_t, thr)
+            gl.store(ids + i_t * s_out + at, idx, mask=keep)
+            gl.store(vals + i_t * s_out + at, x, mask=keep)
+            after = (o_k >= taken) & (o_k < K)
+            gl.store(ids + i_t * s_out + o_k, gl.full([K_PAD], -1, gl.int32, KL), mask=after)
+            gl.store(vals + i_t * s_out + o_k, gl.full([K_PAD], float("-inf"), gl.float32, KL), mask=after)
+        else:
+            at_cand = i_t.to(gl.int64) * s_cand + i_s * K_PAD
+            gl.store(cand_ids + at_cand + at, idx, mask=keep)
+            gl.store(cand_vals + at_cand + at, x, mask=keep)
+            gl.store(cand_vals + at_cand + o_k, gl.full([K_PAD], float("-inf"), gl.float32, KL), mask=o_k >= taken)
+
+
 def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
                         allowed: torch.Tensor, maxima: Optional[GroupMaxima]) -> None:
     """:func:`_scores_kernel` over tokens ``lo:hi`` (the arguments of
@@ -458,6 +569,8 @@ def gluon_args_unsupported(args: IndexerArgs) -> Optional[str]:
     return triton_args_unsupported(args)
 
 
-indexer_topk_gluon = functools.partial(indexer_topk_triton, launch=launch_scores_gluon)
-indexer_candidates_gluon = functools.partial(indexer_candidates_triton, launch=launch_scores_gluon)
-indexer_topk_and_candidates_gluon = functools.partial(indexer_topk_and_candidates_triton, launch=launch_scores_gluon)
+indexer_topk_gluon = functools.partial(indexer_topk_triton, launch=launch_scores_gluon, level_kernel=_topk_level_kernel)
+indexer_candidates_gluon = functools.partial(indexer_candidates_triton, launch=launch_scores_gluon,
+                                             level_kernel=_topk_level_kernel)
+indexer_topk_and_candidates_gluon = functools.partial(indexer_topk_and_candidates_triton, launch=launch_scores_gluon,
+                                                      level_kernel=_topk_level_kernel)

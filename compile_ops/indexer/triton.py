@@ -534,10 +534,12 @@ def topk_plan(T, L: int, k: int, sms: int, segment: Optional[int] = None, sort: 
 
 
 def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=None, bound=None,
-            store_bound: bool = False) -> None:
+            store_bound: bool = False, level_kernel=None) -> None:
     """``levels`` over ``src [T, L]`` (a first ``source`` 2: entries addressed through
     ``groups``, at or above ``bound``), ending in ``ids`` / ``vals`` (and, ``store_bound``,
-    the row's ``k``-th best key into ``bound``)."""
+    the row's ``k``-th best key into ``bound``). ``level_kernel``: a kernel of
+    ``_segment_topk_kernel``'s arguments less ``SORTED`` plus ``W`` (its warps), for the
+    levels that do not sort and hold at least one entry per thread."""
     T = src.shape[0]
     src_vals, src_ids, prev_cover = src, groups if levels[0].source == 2 else n, -1
     for level in levels:
@@ -546,13 +548,15 @@ def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=N
         else:
             cand_vals = torch.empty((T, level.programs * level.k_pad), dtype=torch.float32, device=src.device)
             cand_ids = torch.empty((T, level.programs * level.k_pad), dtype=torch.int32, device=src.device)
-        launchable(_segment_topk_kernel, src)[(T, level.programs)](
-            src_vals, src_ids, n, n if n_src is None else n_src, cand_vals, cand_ids, ids, vals,
-            n if bound is None else bound, src_vals.stride(0), src_ids.stride(0) if src_ids.dim() == 2 else 0,
-            cand_vals.stride(0), ids.stride(0), k, prev_cover, level.cover, SOURCE=level.source, G=TOPK_GROUP,
-            SEG=level.seg, K_PAD=level.k_pad, LAST=level.last, SORTED=level.sort, BOUND=store_bound,
-            num_warps=level.warps,
-        )
+        arguments = (src_vals, src_ids, n, n if n_src is None else n_src, cand_vals, cand_ids, ids, vals,
+                     n if bound is None else bound, src_vals.stride(0), src_ids.stride(0) if src_ids.dim() == 2 else 0,
+                     cand_vals.stride(0), ids.stride(0), k, prev_cover, level.cover)
+        constants = dict(SOURCE=level.source, G=TOPK_GROUP, SEG=level.seg, K_PAD=level.k_pad, LAST=level.last,
+                         BOUND=store_bound, num_warps=level.warps)
+        if level_kernel is not None and not level.sort and level.seg >= 32 * level.warps:
+            level_kernel[(T, level.programs)](*arguments, W=level.warps, **constants)
+        else:
+            launchable(_segment_topk_kernel, src)[(T, level.programs)](*arguments, SORTED=level.sort, **constants)
         src_vals, src_ids, prev_cover = cand_vals, cand_ids, level.cover
 
 
@@ -568,7 +572,8 @@ def group_maxima_of(scores: torch.Tensor, n: torch.Tensor, k: int) -> GroupMaxim
 
 
 def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, k: int,
-                 segment: Optional[int] = None, sort: bool = True, maxima: Optional[GroupMaxima] = None) -> None:
+                 segment: Optional[int] = None, sort: bool = True, maxima: Optional[GroupMaxima] = None,
+                 level_kernel=None) -> None:
     """The exact top-``k`` of each row's first ``n[t]`` scores (``-inf`` = none) into ``ids`` /
     ``vals [T, k]``, by (score descending, id ascending), or in id order unless ``sort``
     (the same entries; no sort): each level of :func:`topk_levels`
@@ -579,19 +584,20 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     hold the row's top-``k`` (a group beaten by ``k`` groups' best entries has none); the
     levels then select from those ``k * TOPK_GROUP`` entries. ``segment``: the entries a
     program selects from (:func:`topk_segment`); ``maxima``: a long row's group maxima where
-    the scores kernel wrote them (else one launch takes them from ``scores``)."""
+    the scores kernel wrote them (else one launch takes them from ``scores``); ``level_kernel``:
+    the ``gluon`` backend's kernel for the levels that do not sort (:func:`_launch`)."""
     T, L = scores.shape
     plan = topk_plan(T, L, k, num_sms(scores.device), segment, sort)
     if len(plan) == 1:
-        _launch(plan[0], scores, n, ids, vals, k)
+        _launch(plan[0], scores, n, ids, vals, k, level_kernel=level_kernel)
         return
     if maxima is None:
         maxima = group_maxima_of(scores, n, k)
     n_groups, n_cand = maxima.counts
     groups = torch.empty((T, k), dtype=torch.int32, device=scores.device)
     bound = torch.empty((T,), dtype=torch.int32, device=scores.device)
-    _launch(plan[0], maxima.best, n_groups, groups, vals, k, bound=bound, store_bound=True)
-    _launch(plan[1], scores, n_cand, ids, vals, k, groups=groups, n_src=n, bound=bound)
+    _launch(plan[0], maxima.best, n_groups, groups, vals, k, bound=bound, store_bound=True, level_kernel=level_kernel)
+    _launch(plan[1], scores, n_cand, ids, vals, k, groups=groups, n_src=n, bound=bound, level_kernel=level_kernel)
 
 
 def global_blocks(args: IndexerArgs) -> int:
@@ -721,35 +727,37 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select, launch,
     return outs
 
 
-def _select_ids(args: IndexerArgs, scores, n, out, maxima: Optional[GroupMaxima]) -> None:
-    topk_of_rows(scores, n, *out, args.k, sort=args.order == "score", maxima=maxima)
+def _select_ids(args: IndexerArgs, scores, n, out, maxima: Optional[GroupMaxima], level_kernel=None) -> None:
+    topk_of_rows(scores, n, *out, args.k, sort=args.order == "score", maxima=maxima, level_kernel=level_kernel)
 
 
-def _select_blocks(args: IndexerArgs, scores, n, lo, hi, out, width: int) -> None:
+def _select_blocks(args: IndexerArgs, scores, n, lo, hi, out, width: int, level_kernel=None) -> None:
     blocks, visible = visible_block_scores(args, scores, n, lo, hi)
-    topk_of_rows(blocks, visible, *out, width, sort=args.order == "score")
+    topk_of_rows(blocks, visible, *out, width, sort=args.order == "score", level_kernel=level_kernel)
 
 
-def indexer_topk_triton(args: IndexerArgs, launch=launch_scores) -> tuple[torch.Tensor, torch.Tensor]:
+def indexer_topk_triton(args: IndexerArgs, launch=launch_scores, level_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids [T, k] int32, scores [T, k] fp32)`` of a validated call (see
-    :class:`compile_ops.indexer.inputs.IndexerArgs`), its scores by ``launch``."""
+    :class:`compile_ops.indexer.inputs.IndexerArgs`), its scores by ``launch``, its top-k's
+    unsorted levels by ``level_kernel`` (:func:`topk_of_rows`)."""
     return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs, maxima: _select_ids(
-        args, scores, n, outs[0], maxima), launch, ids_of_rows=True)[0]
+        args, scores, n, outs[0], maxima, level_kernel), launch, ids_of_rows=True)[0]
 
 
-def indexer_candidates_triton(args: IndexerArgs, launch=launch_scores) -> tuple[torch.Tensor, torch.Tensor]:
+def indexer_candidates_triton(args: IndexerArgs, launch=launch_scores,
+                              level_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks [T, k] int32, block scores [T, k] fp32)`` of a validated call."""
     return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs, maxima: _select_blocks(
-        args, scores, n, lo, hi, outs[0], args.k), launch, ids_of_rows=False)[0]
+        args, scores, n, lo, hi, outs[0], args.k, level_kernel), launch, ids_of_rows=False)[0]
 
 
-def indexer_topk_and_candidates_triton(args: IndexerArgs, launch=launch_scores):
+def indexer_topk_and_candidates_triton(args: IndexerArgs, launch=launch_scores, level_kernel=None):
     """``((ids, scores) [T, k], (blocks, block scores) [T, n_blocks])`` of a validated call,
     the two top-k over one scores buffer."""
 
     def select(scores, n, lo, hi, outs, maxima):
-        _select_ids(args, scores, n, outs[0], maxima)
-        _select_blocks(args, scores, n, lo, hi, outs[1], args.n_blocks)
+        _select_ids(args, scores, n, outs[0], maxima, level_kernel)
+        _select_blocks(args, scores, n, lo, hi, outs[1], args.n_blocks, level_kernel)
 
     ids, blocks = _per_chunk(args, (args.k, args.n_blocks), select, launch, ids_of_rows=True)
     return ids, blocks
