@@ -234,3 +234,31 @@ def test_gpu_random_floats_pick_the_top_scores():
     q, weights, cache, table, rows, n = make_problem("fp8", 8, 64, 4, 64, 64, seed=1, integer=False)
     args = (q.cuda(), weights.cuda(), cache.cuda(), table.cuda(), rows.cuda(), n.cuda())
     assert_picks_the_top_scores(args, 256, "fp8", 1e-4)
+
+
+@pytest.mark.parametrize("sort", [False, True])
+@pytest.mark.parametrize("T, L, k", [(1, 512, 512), (1, 8192, 512), (3, 20000, 512), (64, 65536, 512),
+                                     (4, 1 << 18, 512), (16, 8192, 2048), (2, 40000, 2048)])
+def test_gpu_gluon_topk_levels_equal_the_portable_ones(T, L, k, sort):
+    """The top-k with its id-order levels on the Gluon kernel (the ``gluon`` backend's) keeps
+    the ids and scores the portable kernel keeps, bit for bit: rows of many equal scores,
+    ``-inf`` holes, counts from none to the whole row, single- and multi-level plans, long
+    rows through their groups."""
+    from compile_ops.backends import hopper_with_gluon
+    from compile_ops.indexer import triton as tri
+
+    if hopper_with_gluon(torch.device("cuda")) is not None:
+        pytest.skip(hopper_with_gluon(torch.device("cuda")))
+    from compile_ops.indexer.gluon import _topk_level_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(T * L + k)
+    scores = torch.randint(-50, 50, (T, L), device="cuda", generator=gen).float() / 4  # many ties
+    scores[:, ::7] = float("-inf")
+    n = torch.randint(0, L + 1, (T,), device="cuda", generator=gen, dtype=i32)
+    n[0] = L
+    outs = []
+    for level_kernel in (None, _topk_level_kernel):
+        ids, vals = torch.empty(T, k, dtype=i32, device="cuda"), torch.empty(T, k, device="cuda")
+        tri.topk_of_rows(scores, n, ids, vals, k, sort=sort, level_kernel=level_kernel)
+        outs.append((ids, vals))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -61,17 +61,26 @@ def problem(T: int, n: int, capacity: int, device, index_format: str = "fp8", he
 
 
 def topk_alone_us(scores: torch.Tensor, n_local: torch.Tensor, sort: bool, calls: int = 20,
-                  replays: int = 10) -> float:
+                  replays: int = 10, level_kernel="auto") -> float:
     """Microseconds of the op's top-k launches alone over ``scores [T, L]`` (each row's first
     ``n_local[t]``), ``k = K``: those after its scores kernel, so a long row's group maxima
-    are given (the scores kernel writes them)."""
+    are given (the scores kernel writes them). ``level_kernel``: the kernel of the levels
+    that keep id order (``compile_ops.indexer.triton.topk_of_rows``); ``"auto"``: the
+    ``gluon`` backend's on sm_90 with a Gluon-capable Triton (as the op runs them), else
+    the portable one (``None``)."""
+    from compile_ops.backends import hopper_with_gluon
     from compile_ops.indexer import triton as tri
+
+    if level_kernel == "auto":
+        level_kernel = None
+        if hopper_with_gluon(scores.device) is None:
+            from compile_ops.indexer.gluon import _topk_level_kernel as level_kernel
 
     T, L = scores.shape
     ids, vals = torch.empty(T, K, dtype=torch.int32, device=scores.device), torch.empty(T, K, device=scores.device)
     maxima = tri.group_maxima_of(scores, n_local, K) if tri.grouped(L, K) else None
-    return graph_time_us(lambda: tri.topk_of_rows(scores, n_local, ids, vals, K, sort=sort, maxima=maxima), calls,
-                         replays)
+    return graph_time_us(lambda: tri.topk_of_rows(scores, n_local, ids, vals, K, sort=sort, maxima=maxima,
+                                                  level_kernel=level_kernel), calls, replays)
 
 
 def dense_reference(q, weights, cache, table, rows, counts, index_format):
