@@ -416,27 +416,58 @@ def _add(a, b):
 
 
 @gluon.jit
-def _program_sum(x, scratch, W: gl.constexpr, RL: gl.constexpr):
-    """The sum of int32 ``x [SEG]`` (warp ``w`` holding entries ``w SEG / W ..``) over the
-    program with one barrier: each warp adds its own part (within the warp), the ``W`` sums
-    meet in ``scratch`` and every thread adds them (``RL``: all ``W`` in each thread).
-    Consecutive calls alternate two ``scratch`` buffers, so none waits to overwrite one."""
-    scratch.store(gl.sum(gl.reshape(x, [W, x.shape[0] // W]), axis=1))
-    _cta_barrier()
-    return gl.sum(scratch.load(RL), axis=0)
+def _warp_parts(x, scratch, KIND: gl.constexpr, W: gl.constexpr):
+    """Each warp's sum (``KIND`` 0), min (1) or max (2) of int32 ``x [SEG]`` (warp ``w``
+    holding entries ``w SEG / W ..``: within the warp, no barrier) into ``scratch [W]``."""
+    parts = gl.reshape(x, [W, x.shape[0] // W])
+    if KIND == 0:
+        part = gl.sum(parts, axis=1)
+    elif KIND == 1:
+        part = gl.min(parts, axis=1)
+    else:
+        part = gl.max(parts, axis=1)
+    scratch.store(part)
 
 
 @gluon.jit
-def _kth_key_fast(key, ok, K, held, scr_a, scr_b, W: gl.constexpr, RL: gl.constexpr):
-    """``compile_ops.indexer.triton._kth_key`` (``held``: the count of ``ok``), its search
-    steps counted by :func:`_program_sum`, two an iteration (one per scratch buffer)."""
+def _parts_total(scratch, KIND: gl.constexpr, RL: gl.constexpr):
+    """The program's total of :func:`_warp_parts` (after a barrier): every thread reduces the
+    ``W`` parts itself (``RL``: all ``W`` in each thread)."""
+    parts = scratch.load(RL)
+    if KIND == 0:
+        total = gl.sum(parts, axis=0)
+    elif KIND == 1:
+        total = gl.min(parts, axis=0)
+    else:
+        total = gl.max(parts, axis=0)
+    return total
+
+
+@gluon.jit
+def _program_sum(x, scratch, W: gl.constexpr, RL: gl.constexpr):
+    """The sum of int32 ``x [SEG]`` over the program with one barrier: each warp's part, then
+    the parts through ``scratch``. Consecutive calls use other ``scratch`` buffers (each a
+    shared-memory allocation of its own), so none waits to overwrite one."""
+    _warp_parts(x, scratch, 0, W)
+    _cta_barrier()
+    return _parts_total(scratch, 0, RL)
+
+
+@gluon.jit
+def _kth_key_fast(key, ok, K, held, scr, W: gl.constexpr, RL: gl.constexpr):
+    """``compile_ops.indexer.triton._kth_key`` (``held``: the count of ``ok``), its program-wide
+    reductions one barrier each (``scr``: six ``[W]`` buffers, :func:`_program_sum`), its
+    search steps two an iteration (one per buffer of the first two)."""
     want = gl.minimum(K, held)
-    lo = gl.min(gl.where(ok, key, 2147483647), axis=0).to(gl.int64)  # count(key >= lo) >= want
-    hi = gl.max(gl.where(ok, key, -2147483648), axis=0).to(gl.int64) + 1  # count(key >= hi) < want
+    _warp_parts(gl.where(ok, key, 2147483647), scr[2], 1, W)
+    _warp_parts(gl.where(ok, key, -2147483648), scr[3], 2, W)
+    _cta_barrier()
+    lo = _parts_total(scr[2], 1, RL).to(gl.int64)  # count(key >= lo) >= want
+    hi = _parts_total(scr[3], 2, RL).to(gl.int64) + 1  # count(key >= hi) < want
     at_lo = held
     while (hi - lo > 1) & (at_lo != want):
         mid = lo + (hi - lo) // 2
-        at_mid = _program_sum((ok & (key >= mid.to(gl.int32))).to(gl.int32), scr_a, W, RL)
+        at_mid = _program_sum((ok & (key >= mid.to(gl.int32))).to(gl.int32), scr[0], W, RL)
         up = at_mid >= want
         lo = gl.where(up, mid, lo)
         at_lo = gl.where(up, at_mid, at_lo)
@@ -445,13 +476,15 @@ def _kth_key_fast(key, ok, K, held, scr_a, scr_b, W: gl.constexpr, RL: gl.conste
         # if it did (no branch: the scratch buffers' barriers stay one a step)
         going = (hi - lo > 1) & (at_lo != want)
         mid = lo + (hi - lo) // 2
-        at_mid = _program_sum((ok & (key >= mid.to(gl.int32))).to(gl.int32), scr_b, W, RL)
+        at_mid = _program_sum((ok & (key >= mid.to(gl.int32))).to(gl.int32), scr[1], W, RL)
         up = going & (at_mid >= want)
         lo = gl.where(up, mid, lo)
         at_lo = gl.where(up, at_mid, at_lo)
         hi = gl.where(going & (at_mid < want), mid, hi)
-    thr = gl.min(gl.where(ok & (key >= lo.to(gl.int32)), key, 2147483647), axis=0)
-    return thr, want - gl.sum((ok & (key > thr)).to(gl.int32), axis=0)
+    _warp_parts(gl.where(ok & (key >= lo.to(gl.int32)), key, 2147483647), scr[4], 1, W)
+    _cta_barrier()
+    thr = _parts_total(scr[4], 1, RL)
+    return thr, want - _program_sum((ok & (key > thr)).to(gl.int32), scr[5], W, RL)
 
 
 @gluon.jit
@@ -466,8 +499,12 @@ def _topk_level_kernel(
     LS: gl.constexpr = gl.BlockedLayout([SEG // (32 * W)], [32], [W], [0])  # warp w: entries w SEG / W ..
     RL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])  # the W warps' sums in every thread
     KL: gl.constexpr = gl.BlockedLayout([K_PAD // (32 * W) if K_PAD >= 32 * W else 1], [32], [W], [0])
-    scr_a = gl.allocate_shared_memory(gl.int32, [W], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    scr_b = gl.allocate_shared_memory(gl.int32, [W], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # [W] buffers of the program-wide reductions (_program_sum), one allocation each
+    SCR: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    scr = (gl.allocate_shared_memory(gl.int32, [W], SCR), gl.allocate_shared_memory(gl.int32, [W], SCR),
+           gl.allocate_shared_memory(gl.int32, [W], SCR), gl.allocate_shared_memory(gl.int32, [W], SCR),
+           gl.allocate_shared_memory(gl.int32, [W], SCR), gl.allocate_shared_memory(gl.int32, [W], SCR))
+    held_scr = gl.allocate_shared_memory(gl.int32, [W], SCR)
     i_t, i_s = gl.program_id(0), gl.program_id(1)
     n_t = gl.maximum(gl.load(n + i_t), 0)
     if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
@@ -490,11 +527,11 @@ def _topk_level_kernel(
         ok = valid & (x > float("-inf"))
         if SOURCE == 2:  # under the K-th best group's best: not in the top-K
             ok = ok & (key >= gl.load(bound + i_t))
-        held = gl.sum(ok.to(gl.int32), axis=0)
+        held = _program_sum(ok.to(gl.int32), held_scr, W, RL)
         thr = gl.to_tensor(-2147483648)  # keep every entry ...
         need = K
         if held > K:  # ... unless this program holds more than K
-            thr, need = _kth_key_fast(key, ok, K, held, scr_a, scr_b, W, RL)
+            thr, need = _kth_key_fast(key, ok, K, held, scr, W, RL)
         eq = (ok & (key == thr)).to(gl.int32)
         keep = (ok & (key > thr)) | ((eq != 0) & (gl.associative_scan(eq, 0, _add) - eq < need))
         keep_i = keep.to(gl.int32)
