@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from compile_ops._triton_quant import (_E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, power_of_two, to_e4m3,
                                       ue8m0_exponent)
 from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
-from compile_ops.indexer.triton import (BN, TOPK_GROUP, GroupMaxima, _local_count, _sortable, _store_group_counts,
+from compile_ops.indexer.triton import (BN, TOPK_GROUP, GroupMaxima, _level_entries, _local_count, _store_group_counts,
                                         indexer_candidates_triton, indexer_topk_and_candidates_triton,
                                         indexer_topk_triton, scores_tokens)
 from compile_ops.mla.gluon import _async_load, _cta_barrier
@@ -416,31 +416,29 @@ def _add(a, b):
 
 
 @gluon.jit
-def _warp_parts(x, scratch, KIND: gl.constexpr, W: gl.constexpr):
-    """Each warp's sum (``KIND`` 0), min (1) or max (2) of int32 ``x [SEG]`` (warp ``w``
-    holding entries ``w SEG / W ..``: within the warp, no barrier) into ``scratch [W]``."""
-    parts = gl.reshape(x, [W, x.shape[0] // W])
+def _reduce(x, axis: gl.constexpr, KIND: gl.constexpr):
+    """``x``'s sum (``KIND`` 0), min (1) or max (2) along ``axis``."""
     if KIND == 0:
-        part = gl.sum(parts, axis=1)
+        out = gl.sum(x, axis=axis)
     elif KIND == 1:
-        part = gl.min(parts, axis=1)
+        out = gl.min(x, axis=axis)
     else:
-        part = gl.max(parts, axis=1)
-    scratch.store(part)
+        out = gl.max(x, axis=axis)
+    return out
+
+
+@gluon.jit
+def _warp_parts(x, scratch, KIND: gl.constexpr, W: gl.constexpr):
+    """Each warp's :func:`_reduce` of int32 ``x [SEG]`` (warp ``w`` holding entries
+    ``w SEG / W ..``: within the warp, no barrier) into ``scratch [W]``."""
+    scratch.store(_reduce(gl.reshape(x, [W, x.shape[0] // W]), 1, KIND))
 
 
 @gluon.jit
 def _parts_total(scratch, KIND: gl.constexpr, RL: gl.constexpr):
     """The program's total of :func:`_warp_parts` (after a barrier): every thread reduces the
     ``W`` parts itself (``RL``: all ``W`` in each thread)."""
-    parts = scratch.load(RL)
-    if KIND == 0:
-        total = gl.sum(parts, axis=0)
-    elif KIND == 1:
-        total = gl.min(parts, axis=0)
-    else:
-        total = gl.max(parts, axis=0)
-    return total
+    return _reduce(scratch.load(RL), 0, KIND)
 
 
 @gluon.jit
@@ -508,25 +506,8 @@ def _topk_level_kernel(
     i_t, i_s = gl.program_id(0), gl.program_id(1)
     n_t = gl.maximum(gl.load(n + i_t), 0)
     if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
-        o = gl.arange(0, SEG, LS)
-        c = i_s * SEG + o
-        if SOURCE == 0:
-            valid = c < n_t
-            idx = c
-            x = gl.load(src_vals + i_t.to(gl.int64) * s_src + c, mask=valid, other=float("-inf"))
-        elif SOURCE == 1:  # the slots of the earlier level's programs that had entries
-            valid = c < gl.cdiv(n_t, PREV_COVER) * K_PAD
-            idx = gl.load(src_ids + i_t.to(gl.int64) * s_ids + c, mask=valid, other=0)
-            x = gl.load(src_vals + i_t.to(gl.int64) * s_src + c, mask=valid, other=float("-inf"))
-        else:
-            group = gl.load(src_ids + i_t.to(gl.int64) * s_ids + c // G, mask=c < n_t, other=-1)
-            idx = group * G + c % G
-            valid = (group >= 0) & (idx < gl.load(n_src + i_t))
-            x = gl.load(src_vals + i_t.to(gl.int64) * s_src + idx, mask=valid, other=float("-inf"))
-        key = _sortable(x)
-        ok = valid & (x > float("-inf"))
-        if SOURCE == 2:  # under the K-th best group's best: not in the top-K
-            ok = ok & (key >= gl.load(bound + i_t))
+        idx, x, key, ok = _level_entries(src_vals, src_ids, n_src, bound, i_t, i_s * SEG + gl.arange(0, SEG, LS), n_t,
+                                         s_src, s_ids, PREV_COVER, SOURCE, G, K_PAD)
         held = _program_sum(ok.to(gl.int32), held_scr, W, RL)
         thr = gl.to_tensor(-2147483648)  # keep every entry ...
         need = K

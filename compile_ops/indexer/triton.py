@@ -352,6 +352,33 @@ def _group_max_kernel(scores, n, gmax, g_counts, s_st, s_gt, T, K, G: tl.constex
 
 
 @triton.jit
+def _level_entries(src_vals, src_ids, n_src, bound, i_t, c, n_t, s_src, s_ids, PREV_COVER, SOURCE: tl.constexpr,
+                   G: tl.constexpr, K_PAD: tl.constexpr):
+    """``(ids, scores, keys, ok)`` of a top-k level's entries ``c`` of row ``i_t`` (``n_t``
+    scores) from its ``SOURCE`` (:func:`_segment_topk_kernel`): ``ok`` where an entry exists,
+    scores more than ``-inf`` and, from a row's kept groups, is at or above ``bound[i_t]``.
+    Shared by the ``gluon`` backend's level kernel (``c`` in its layout)."""
+    if SOURCE == 0:
+        valid = c < n_t
+        idx = c
+        x = tl.load(src_vals + i_t.to(tl.int64) * s_src + c, mask=valid, other=float("-inf"))
+    elif SOURCE == 1:  # the slots of the earlier level's programs that had entries
+        valid = c < tl.cdiv(n_t, PREV_COVER) * K_PAD
+        idx = tl.load(src_ids + i_t.to(tl.int64) * s_ids + c, mask=valid, other=0)
+        x = tl.load(src_vals + i_t.to(tl.int64) * s_src + c, mask=valid, other=float("-inf"))
+    else:
+        group = tl.load(src_ids + i_t.to(tl.int64) * s_ids + c // G, mask=c < n_t, other=-1)
+        idx = group * G + c % G
+        valid = (group >= 0) & (idx < tl.load(n_src + i_t))
+        x = tl.load(src_vals + i_t.to(tl.int64) * s_src + idx, mask=valid, other=float("-inf"))
+    key = _sortable(x)
+    ok = valid & (x > float("-inf"))
+    if SOURCE == 2:  # under the K-th best group's best: not in the top-K
+        ok = ok & (key >= tl.load(bound + i_t))
+    return idx, x, key, ok
+
+
+@triton.jit
 def _segment_topk_kernel(
     src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, bound, s_src, s_ids, s_cand, s_out, K, PREV_COVER,
     COVER, SOURCE: tl.constexpr, G: tl.constexpr, SEG: tl.constexpr, K_PAD: tl.constexpr,
@@ -375,24 +402,8 @@ def _segment_topk_kernel(
     n_t = tl.maximum(tl.load(n + i_t), 0)
     if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
         o = tl.arange(0, SEG)
-        c = i_s * SEG + o
-        if SOURCE == 0:
-            valid = c < n_t
-            idx = c
-            x = tl.load(src_vals + i_t.to(tl.int64) * s_src + c, mask=valid, other=float("-inf"))
-        elif SOURCE == 1:  # the slots of the earlier level's programs that had entries
-            valid = c < tl.cdiv(n_t, PREV_COVER) * K_PAD
-            idx = tl.load(src_ids + i_t.to(tl.int64) * s_ids + c, mask=valid, other=0)
-            x = tl.load(src_vals + i_t.to(tl.int64) * s_src + c, mask=valid, other=float("-inf"))
-        else:
-            group = tl.load(src_ids + i_t.to(tl.int64) * s_ids + c // G, mask=c < n_t, other=-1)
-            idx = group * G + c % G
-            valid = (group >= 0) & (idx < tl.load(n_src + i_t))
-            x = tl.load(src_vals + i_t.to(tl.int64) * s_src + idx, mask=valid, other=float("-inf"))
-        key = _sortable(x)
-        ok = valid & (x > float("-inf"))
-        if SOURCE == 2:  # under the K-th best group's best: not in the top-K
-            ok = ok & (key >= tl.load(bound + i_t))
+        idx, x, key, ok = _level_entries(src_vals, src_ids, n_src, bound, i_t, i_s * SEG + o, n_t, s_src, s_ids,
+                                         PREV_COVER, SOURCE, G, K_PAD)
         held = tl.sum(ok.to(tl.int32))
         thr = tl.full([], -2147483648, tl.int32)  # keep every entry ...
         need = K
