@@ -30,14 +30,15 @@ BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
 INDEXER_BUILDS = [f"indexer:{fmt}:{build}:{tokens}" for fmt in ("fp4", "fp8")
                   for build in ("32:0:6:0", "32:1:-1:1", "64:0:5:1", "64:1:6:0", "16:0:6:1") for tokens in (1, 4)]
 
-# the Gluon top-k levels (compile_ops.indexer.gluon._topk_level_kernel): every level the plans of
-# rows of 512 to 1M scores, k = 512 and 2048, run on it (those that keep id order and hold
-# an entry a thread at least), "topk:source:seg:k_pad:last:warps"
-TOPK_BUILDS = ["topk:0:512:512:1:4", "topk:0:2048:512:0:8", "topk:0:2048:512:1:8", "topk:0:2048:2048:1:8",
-               "topk:0:8192:512:0:16", "topk:0:8192:512:1:16", "topk:0:8192:2048:0:16", "topk:0:8192:2048:1:16",
-               "topk:1:1024:512:1:4", "topk:1:2048:512:0:8", "topk:1:2048:512:1:8", "topk:1:4096:512:1:8",
-               "topk:1:4096:2048:1:8", "topk:1:8192:2048:0:16", "topk:1:8192:2048:1:16", "topk:2:2048:512:0:8",
-               "topk:2:4096:512:0:8", "topk:2:8192:2048:0:16"]
+# the Gluon top-k levels (compile_ops.indexer.gluon._topk_level_kernel): every launch the plans
+# of rows of 512 to 1M scores, k = 512 and 2048, run on it (those that keep id order and hold
+# an entry a thread at least; a launch with a then-level runs the row's last level too),
+# "topk:source:seg:k_pad:last:then_seg:warps"
+TOPK_BUILDS = ["topk:0:512:512:1:0:4", "topk:0:2048:512:0:0:8", "topk:0:2048:512:0:2048:8", "topk:0:2048:512:1:0:8",
+               "topk:0:2048:2048:1:0:8", "topk:0:8192:512:0:4096:16", "topk:0:8192:512:1:0:16",
+               "topk:0:8192:2048:0:0:16", "topk:0:8192:2048:0:8192:16", "topk:0:8192:2048:1:0:16",
+               "topk:1:2048:512:0:0:8", "topk:1:2048:512:0:1024:8", "topk:1:8192:2048:0:4096:16",
+               "topk:2:2048:512:0:2048:8", "topk:2:4096:512:0:1024:8", "topk:2:8192:2048:0:8192:16"]
 
 SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt into on sm_90
 POINTER_TYPES = {
@@ -97,7 +98,7 @@ def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift
     kernel = gluon._scores_kernel
     names = list(inspect.signature(kernel.fn).parameters)
     types = dict(q="*bf16", w="*fp32", t2r="*i32", n_entries="*i32", cache="*u8", table="*i32", allowed="*i8",
-                 scores="*fp32", n_out="*i32", gmax="*fp32", g_counts="*i32")
+                 scores="*fp32", n_out="*i32", tickets="*i32", gmax="*fp32", g_counts="*i32")
     options = dict(HI=max(16, heads), TB=tokens, RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift, STAGES=gluon.STAGES,
                    FP4=index_format == "fp4", GROUPS=groups, G=TOPK_GROUP)
     signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
@@ -109,7 +110,7 @@ def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
 
 
-def build_topk_sm90(source: int, seg: int, k_pad: int, last: bool, warps: int):
+def build_topk_sm90(source: int, seg: int, k_pad: int, last: bool, then_seg: int, warps: int):
     """:func:`compile_ops.indexer.gluon._topk_level_kernel` compiled for sm_90 as
     ``compile_ops.indexer.triton._launch`` launches one level (a selection of groups, source
     0 of a grouped row, stores its bound)."""
@@ -123,8 +124,9 @@ def build_topk_sm90(source: int, seg: int, k_pad: int, last: bool, warps: int):
     kernel = gluon._topk_level_kernel
     names = list(inspect.signature(kernel.fn).parameters)
     types = dict(src_vals="*fp32", src_ids="*i32", n="*i32", n_src="*i32", cand_vals="*fp32", cand_ids="*i32",
-                 ids="*i32", vals="*fp32", bound="*i32")
-    options = dict(SOURCE=source, G=TOPK_GROUP, SEG=seg, K_PAD=k_pad, LAST=last, BOUND=source == 0, W=warps)
+                 ids="*i32", vals="*fp32", bound="*i32", tickets="*i32")
+    options = dict(SOURCE=source, G=TOPK_GROUP, SEG=seg, K_PAD=k_pad, LAST=last, BOUND=source == 0, THEN_SEG=then_seg,
+                   W=warps)
     signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if signature[n].startswith("*") or n in ("s_src", "s_ids", "s_cand", "s_out")}
@@ -150,8 +152,8 @@ def build_report(build):
     from sm90_build import full_sass
 
     if build.startswith("topk:"):
-        _, source, seg, k_pad, last, warps = build.split(":")
-        compiled = build_topk_sm90(int(source), int(seg), int(k_pad), last == "1", int(warps))
+        _, source, seg, k_pad, last, then_seg, warps = build.split(":")
+        compiled = build_topk_sm90(int(source), int(seg), int(k_pad), last == "1", int(then_seg), int(warps))
         sass = full_sass(compiled.asm["cubin"])
         return dict(spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)), loops=loop_barriers(sass),
                     redux=sass.count("REDUX"))

@@ -193,7 +193,9 @@ def test_interpreter_group_maxima_written_beside_the_scores(index_format, shard,
     T, L = 5, 4 * 16
     scores, n = torch.full((T, L), float("nan")), torch.empty(T, dtype=i32)
     maxima = kernels.GroupMaxima(torch.full((T, kernels.group_slots(L)), float("nan")), torch.empty(2, T, dtype=i32))
-    kernels.launch_scores(plain, 0, T, scores, n, n, maxima)
+    tickets = torch.full((T,), 7, dtype=i32)
+    kernels.launch_scores(plain, 0, T, scores, n, tickets, n, maxima)
+    assert not tickets.any()  # the top-k's tickets zeroed for it
     groups = -(-n // 4)
     assert torch.equal(maxima.counts, torch.stack([groups, groups.clamp(max=6) * 4]))
     for t in range(T):
@@ -423,7 +425,8 @@ def test_interpreter_topk_over_many_segments(k, grouped, ties, monkeypatch):
 def test_interpreter_topk_levels_equal_a_stable_sort(T, L, k, segment, group, grouped, spread, sort, seed):
     """Any row length, ``k``, segment and group size, groups first or not: the levels' ids
     and scores are a stable sort's (ties frequent: scores drawn from ``spread`` values);
-    unsorted, the same ids and scores in id order."""
+    unsorted, the same ids and scores in id order. The launches that run a row's last level
+    in their last program leave its ticket at 0, ready for the next launch."""
     pytest.importorskip("triton")
     from compile_ops.indexer import triton as kernels
     from compile_ops.indexer.reference import by_id, topk_of_scores
@@ -436,13 +439,14 @@ def test_interpreter_topk_levels_equal_a_stable_sort(T, L, k, segment, group, gr
     if not sort:
         want_ids, order = by_id(want_ids)
         want_vals = want_vals.gather(1, order)
-    ids, vals = torch.empty(T, k, dtype=i32), torch.empty(T, k)
+    ids, vals, tickets = torch.empty(T, k, dtype=i32), torch.empty(T, k), torch.zeros(T, dtype=i32)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "TOPK_GROUP", group)
         patch.setattr(kernels, "TOPK_GROUPED_FROM", 1 if grouped else 1 << 30)
-        kernels.topk_of_rows(scores, n, ids, vals, k, segment=segment, sort=sort)
+        kernels.topk_of_rows(scores, n, ids, vals, k, segment=segment, sort=sort, tickets=tickets)
     assert torch.equal(ids, want_ids)
     assert torch.equal(vals, want_vals)
+    assert not tickets.any()
 
 
 def test_triton_limits_send_auto_to_the_reference():

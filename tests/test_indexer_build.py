@@ -24,14 +24,18 @@ SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt 
 # Spills known today (Triton 3.7.1), the most allowed: a program selecting among 8192 entries
 # holds more registers per thread than 16 warps have (its keys, ids and scores); a handful of
 # values go to local memory.
-KNOWN_SPILLS = {"topk-0-8192-512-level-ids": 6, "topk-0-8192-512-last-ids": 4, "topk-0-8192-512-last-sorted": 4,
-                "topk-0-8192-2048-level-ids": 12, "topk-0-8192-2048-level-sorted": 12,
-                "topk-0-8192-2048-last-ids": 4, "topk-0-8192-2048-last-sorted": 6,
-                "topk-1-8192-2048-level-ids": 4, "topk-1-8192-2048-last-sorted": 4}
-# Triton 3.9 builds two sorted last levels over 8192 entries with more (3.7.1: 4 each), the
-# other programs above with fewer or none
+KNOWN_SPILLS = {"topk-0-8192-512-last-ids": 2, "topk-0-8192-512-last-sorted": 2, "topk-0-8192-2048-last-sorted": 4}
+# Triton 3.9 builds a few programs over 8192 entries with more, the others with fewer or none
 if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9):
-    KNOWN_SPILLS.update({"topk-0-8192-512-last-sorted": 8, "topk-1-8192-2048-last-sorted": 10})
+    KNOWN_SPILLS.update({"topk-0-8192-512-last-ids": 8, "topk-0-8192-512-last-sorted": 8,
+                         "topk-0-8192-2048-last-ids": 2, "topk-2-8192-2048-then-8192-sorted": 4})
+
+
+def topk_name(launch) -> str:
+    """A top-k launch's build name: its source, segment, slots, whether it writes the result
+    (``last``) or runs the last level after its own (``then-<seg>``), and its order."""
+    role = "last" if launch.last else f"then-{launch.then_seg}" if launch.then_seg else "level"
+    return f"topk-{launch.source}-{launch.seg}-{launch.k_pad}-{role}-{'sorted' if launch.sort else 'ids'}"
 
 
 def builds() -> dict:
@@ -42,10 +46,11 @@ def builds() -> dict:
     scores = dict(kernel=f"{mod}:_scores_kernel",
                   aligned=["s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at", "s_gt"],
                   types=dict(q="*bf16", w="*fp32", t2r="*i32", n_entries="*i32", cache="*u8", table="*i32",
-                             allowed="*i8", scores="*fp32", n_out="*i32", gmax="*fp32", g_counts="*i32"))
+                             allowed="*i8", scores="*fp32", n_out="*i32", tickets="*i32", gmax="*fp32",
+                             g_counts="*i32"))
     topk = dict(kernel=f"{mod}:_segment_topk_kernel", aligned=["s_src", "s_ids", "s_cand", "s_out"],
                 types=dict(src_vals="*fp32", src_ids="*i32", n="*i32", n_src="*i32", cand_vals="*fp32",
-                           cand_ids="*i32", ids="*i32", vals="*fp32", bound="*i32"))
+                           cand_ids="*i32", ids="*i32", vals="*fp32", bound="*i32", tickets="*i32"))
     out = {}
     # (a long row's scores write the top-k's group maxima too: the bulk-copied fp8 and the fp4 ones here;
     # a prefill step's programs take several tokens, as many as scores_tokens allows)
@@ -65,12 +70,11 @@ def builds() -> dict:
                 for L in (512, 8192, 1 << 15, 1 << 17, 1 << 20) for k in (512, 2048)
                 for stage in kernels.topk_plan(T, L, k, sms=132) for launch in stage}
     for launch in sorted(launches):
-        name = (f"topk-{launch.source}-{launch.seg}-{launch.k_pad}-{'last' if launch.last else 'level'}-"
-                f"{'sorted' if launch.sort else 'ids'}")
+        name = topk_name(launch)
         # (a selection of groups stores its bound where a program covers the row: an id-order one here)
         out[name] = dict(topk, num_warps=launch.warps,
                          constants=dict(SOURCE=launch.source, G=kernels.TOPK_GROUP, SEG=launch.seg, K_PAD=launch.k_pad,
-                                        LAST=launch.last, SORTED=launch.sort,
+                                        LAST=launch.last, SORTED=launch.sort, THEN_SEG=launch.then_seg,
                                         BOUND=launch.source != 2 and not launch.sort))
     out["group-max"] = dict(kernel=f"{mod}:_group_max_kernel", types=dict(
         scores="*fp32", n="*i32", gmax="*fp32", g_counts="*i32"),
@@ -120,12 +124,15 @@ def test_scores_run_on_the_tensor_cores_with_streamed_keys(reports):
 
 def test_the_build_covers_every_launch_of_the_plan(reports):
     """The top-k builds are the plan's launches: a decode row of 512 entries is one sorted
-    program; a 1M-entry row goes through its groups."""
+    program, one of 8K one launch; a 1M-entry row goes through its groups."""
     from compile_ops.indexer import triton as kernels
 
     decode = kernels.topk_plan(1, 512, 512, sms=132)
     assert [[(launch.source, launch.seg, launch.last) for launch in s] for s in decode] == [[(0, 512, True)]]
+    # a decode row of 8K: four programs of 2048, the last of them to finish then selects the row's
+    # 512 from their 2048 kept entries (no launch of its own)
+    assert kernels.topk_plan(1, 8192, 512, sms=132, sort=False) == [[kernels.TopkLaunch(0, 2048, 4, 2048, 512, False,
+                                                                                          False, then_seg=2048)]]
     grouped = kernels.topk_plan(64, 1 << 20, 512, sms=132)
     assert len(grouped) == 2 and grouped[1][0].source == 2 and grouped[1][0].seg <= kernels.TOPK_GATHER_SEGMENT
-    assert all(f"topk-{launch.source}-{launch.seg}-{launch.k_pad}-{'last' if launch.last else 'level'}-"
-               f"{'sorted' if launch.sort else 'ids'}" in reports for stage in grouped for launch in stage)
+    assert all(topk_name(launch) in reports for stage in grouped for launch in stage)

@@ -241,11 +241,14 @@ def test_gpu_random_floats_pick_the_top_scores():
                                      (4, 1 << 18, 512), (16, 8192, 2048), (2, 40000, 2048)])
 def test_gpu_gluon_topk_levels_equal_the_portable_ones(T, L, k, sort):
     """The top-k with its id-order levels on the Gluon kernel (the ``gluon`` backend's) keeps
-    the ids and scores the portable kernel keeps, bit for bit: rows of many equal scores,
-    ``-inf`` holes, counts from none to the whole row, single- and multi-level plans, long
-    rows through their groups."""
+    the ids and scores the portable kernel keeps, bit for bit, and both a stable sort's:
+    rows of many equal scores, ``-inf`` holes, counts from none to the whole row, single-
+    and multi-level plans (the last level run by the last program of the launch before it),
+    long rows through their groups. Calls on one ``tickets`` buffer leave it at 0, so a
+    second call (as a replay) selects the same."""
     from compile_ops.backends import hopper_with_gluon
     from compile_ops.indexer import triton as tri
+    from compile_ops.indexer.reference import by_id, topk_of_scores
 
     if hopper_with_gluon(torch.device("cuda")) is not None:
         pytest.skip(hopper_with_gluon(torch.device("cuda")))
@@ -256,9 +259,15 @@ def test_gpu_gluon_topk_levels_equal_the_portable_ones(T, L, k, sort):
     scores[:, ::7] = float("-inf")
     n = torch.randint(0, L + 1, (T,), device="cuda", generator=gen, dtype=i32)
     n[0] = L
-    outs = []
+    want_ids, want_vals = topk_of_scores(
+        torch.where(torch.arange(L, device="cuda") < n.unsqueeze(1), scores, float("-inf")), k)
+    if not sort:
+        want_ids, order = by_id(want_ids)
+        want_vals = want_vals.gather(1, order)
+    tickets = torch.zeros(T, dtype=i32, device="cuda")
     for level_kernel in (None, _topk_level_kernel):
-        ids, vals = torch.empty(T, k, dtype=i32, device="cuda"), torch.empty(T, k, device="cuda")
-        tri.topk_of_rows(scores, n, ids, vals, k, sort=sort, level_kernel=level_kernel)
-        outs.append((ids, vals))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        for _ in range(2):
+            ids, vals = torch.empty(T, k, dtype=i32, device="cuda"), torch.empty(T, k, device="cuda")
+            tri.topk_of_rows(scores, n, ids, vals, k, sort=sort, level_kernel=level_kernel, tickets=tickets)
+            assert torch.equal(ids, want_ids) and torch.equal(vals, want_vals)
+    assert not tickets.any()

@@ -79,8 +79,9 @@ def topk_alone_us(scores: torch.Tensor, n_local: torch.Tensor, sort: bool, calls
     T, L = scores.shape
     ids, vals = torch.empty(T, K, dtype=torch.int32, device=scores.device), torch.empty(T, K, device=scores.device)
     maxima = tri.group_maxima_of(scores, n_local, K) if tri.grouped(L, K) else None
+    tickets = torch.zeros(T, dtype=torch.int32, device=scores.device)  # (zeroed by the scores kernel in the op)
     return graph_time_us(lambda: tri.topk_of_rows(scores, n_local, ids, vals, K, sort=sort, maxima=maxima,
-                                                  level_kernel=level_kernel), calls, replays)
+                                                  level_kernel=level_kernel, tickets=tickets), calls, replays)
 
 
 def dense_reference(q, weights, cache, table, rows, counts, index_format):

@@ -277,7 +277,7 @@ def _token_scores(b_s, bits, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, gma
 
 @gluon.jit
 def _scores_kernel(
-    q, w, t2r, n_entries, cache, table, allowed, scores, n_out, gmax, g_counts,
+    q, w, t2r, n_entries, cache, table, allowed, scores, n_out, tickets, gmax, g_counts,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
     rank, world, interleave, block, nb, K,
     HI: gl.constexpr, TB: gl.constexpr, RESTRICT: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr,
@@ -287,7 +287,8 @@ def _scores_kernel(
     w[t, h] * relu(q[t, h] . key[c])`` (fp8: times the key's scale) over blocks ``s, s + S,
     ...`` of ``BN`` entries (``-inf`` at holes and outside its candidate blocks), each
     request run among the tokens reading its keys once for all of them (up to the run's
-    largest count); ``n_out[t]`` the local counts (program 0); with ``GROUPS`` the top-k's
+    largest count); ``n_out[t]`` the local counts and ``tickets[t]`` 0 (program 0; the top-k's,
+    :func:`compile_ops.indexer.triton.topk_of_rows`); with ``GROUPS`` the top-k's
     group maxima and counts too (:class:`compile_ops.indexer.triton.GroupMaxima`)."""
     # fp8 keys: where one token's product is narrower than 64 (V4.1's 32 heads), a pair of
     # tokens' queries are one product's columns, as wide as a 64-head token's
@@ -315,6 +316,7 @@ def _scores_kernel(
     row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
     if i_s == 0:
         gl.store(n_out + t_j, n_j, mask=m_j)
+        gl.store(tickets + t_j, gl.zeros_like(n_j), mask=m_j)
         if GROUPS:
             _store_group_counts(g_counts, t_j, T, n_j, K, G, m_j)
     if i_s < gl.cdiv(gl.max(n_j, 0), BN):
@@ -486,17 +488,62 @@ def _kth_key_fast(key, ok, K, held, scr, W: gl.constexpr, RL: gl.constexpr):
 
 
 @gluon.jit
+def _select_segment(src_vals, src_ids, n_src, cand_vals, cand_ids, ids, vals, bound, i_t, i_s, n_t, s_src, s_ids,
+                    s_cand, s_out, K, PREV_COVER, COVER, scr, held_scr, SOURCE: gl.constexpr, G: gl.constexpr,
+                    SEG: gl.constexpr, K_PAD: gl.constexpr, LAST: gl.constexpr, BOUND: gl.constexpr,
+                    W: gl.constexpr):
+    """``compile_ops.indexer.triton._select_segment`` in id order with ``W`` warps
+    (``scr``, ``held_scr``: the program-wide reductions' ``[W]`` buffers, :func:`_program_sum`)."""
+    LS: gl.constexpr = gl.BlockedLayout([SEG // (32 * W)], [32], [W], [0])  # warp w: entries w SEG / W ..
+    RL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])  # the W warps' sums in every thread
+    KL: gl.constexpr = gl.BlockedLayout([K_PAD // (32 * W) if K_PAD >= 32 * W else 1], [32], [W], [0])
+    idx, x, key, ok = _level_entries(src_vals, src_ids, n_src, bound, i_t, i_s * SEG + gl.arange(0, SEG, LS), n_t,
+                                     s_src, s_ids, PREV_COVER, SOURCE, G, K_PAD)
+    held = _program_sum(ok.to(gl.int32), held_scr, W, RL)
+    thr = gl.to_tensor(-2147483648)  # keep every entry ...
+    need = K
+    if held > K:  # ... unless this program holds more than K
+        thr, need = _kth_key_fast(key, ok, K, held, scr, W, RL)
+    eq = (ok & (key == thr)).to(gl.int32)
+    keep = (ok & (key > thr)) | ((eq != 0) & (gl.associative_scan(eq, 0, _add) - eq < need))
+    keep_i = keep.to(gl.int32)
+    at = gl.associative_scan(keep_i, 0, _add) - keep_i
+    taken = gl.sum(keep_i, axis=0)
+    o_k = gl.arange(0, K_PAD, KL)
+    if LAST or n_t <= COVER:
+        if BOUND:
+            gl.store(bound + i_t, thr)
+        gl.store(ids + i_t * s_out + at, idx, mask=keep)
+        gl.store(vals + i_t * s_out + at, x, mask=keep)
+        after = (o_k >= taken) & (o_k < K)
+        gl.store(ids + i_t * s_out + o_k, gl.full([K_PAD], -1, gl.int32, KL), mask=after)
+        gl.store(vals + i_t * s_out + o_k, gl.full([K_PAD], float("-inf"), gl.float32, KL), mask=after)
+    else:
+        at_cand = i_t.to(gl.int64) * s_cand + i_s * K_PAD
+        gl.store(cand_ids + at_cand + at, idx, mask=keep)
+        gl.store(cand_vals + at_cand + at, x, mask=keep)
+        gl.store(cand_vals + at_cand + o_k, gl.full([K_PAD], float("-inf"), gl.float32, KL), mask=o_k >= taken)
+
+
+@gluon.jit
+def _last_to_finish(tickets, i_t, programs):
+    """``compile_ops.indexer.triton._last_to_finish``."""
+    _cta_barrier()  # every thread's stores are made before the count says so
+    last = gl.atomic_add(tickets + i_t, 1, sem="acq_rel") == programs - 1
+    if last:
+        gl.store(tickets + i_t, 0)
+    return last
+
+
+@gluon.jit
 def _topk_level_kernel(
-    src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, bound, s_src, s_ids, s_cand, s_out, K, PREV_COVER,
-    COVER, SOURCE: gl.constexpr, G: gl.constexpr, SEG: gl.constexpr, K_PAD: gl.constexpr, LAST: gl.constexpr,
-    BOUND: gl.constexpr, W: gl.constexpr,
+    src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, bound, tickets, s_src, s_ids, s_cand, s_out, K,
+    PREV_COVER, COVER, SOURCE: gl.constexpr, G: gl.constexpr, SEG: gl.constexpr, K_PAD: gl.constexpr,
+    LAST: gl.constexpr, BOUND: gl.constexpr, THEN_SEG: gl.constexpr, W: gl.constexpr,
 ):
     """``compile_ops.indexer.triton._segment_topk_kernel`` in id order (no ``SORTED``) with
     ``W`` warps: the same entries, ids and order; its search's steps each one barrier
     (:func:`_program_sum`) where the portable kernel's block reductions take three."""
-    LS: gl.constexpr = gl.BlockedLayout([SEG // (32 * W)], [32], [W], [0])  # warp w: entries w SEG / W ..
-    RL: gl.constexpr = gl.BlockedLayout([W], [32], [W], [0])  # the W warps' sums in every thread
-    KL: gl.constexpr = gl.BlockedLayout([K_PAD // (32 * W) if K_PAD >= 32 * W else 1], [32], [W], [0])
     # [W] buffers of the program-wide reductions (_program_sum), one allocation each
     SCR: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     scr = (gl.allocate_shared_memory(gl.int32, [W], SCR), gl.allocate_shared_memory(gl.int32, [W], SCR),
@@ -506,36 +553,18 @@ def _topk_level_kernel(
     i_t, i_s = gl.program_id(0), gl.program_id(1)
     n_t = gl.maximum(gl.load(n + i_t), 0)
     if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
-        idx, x, key, ok = _level_entries(src_vals, src_ids, n_src, bound, i_t, i_s * SEG + gl.arange(0, SEG, LS), n_t,
-                                         s_src, s_ids, PREV_COVER, SOURCE, G, K_PAD)
-        held = _program_sum(ok.to(gl.int32), held_scr, W, RL)
-        thr = gl.to_tensor(-2147483648)  # keep every entry ...
-        need = K
-        if held > K:  # ... unless this program holds more than K
-            thr, need = _kth_key_fast(key, ok, K, held, scr, W, RL)
-        eq = (ok & (key == thr)).to(gl.int32)
-        keep = (ok & (key > thr)) | ((eq != 0) & (gl.associative_scan(eq, 0, _add) - eq < need))
-        keep_i = keep.to(gl.int32)
-        at = gl.associative_scan(keep_i, 0, _add) - keep_i
-        taken = gl.sum(keep_i, axis=0)
-        o_k = gl.arange(0, K_PAD, KL)
-        if LAST or n_t <= COVER:
-            if BOUND:
-                gl.store(bound + i_t, thr)
-            gl.store(ids + i_t * s_out + at, idx, mask=keep)
-            gl.store(vals + i_t * s_out + at, x, mask=keep)
-            after = (o_k >= taken) & (o_k < K)
-            gl.store(ids + i_t * s_out + o_k, gl.full([K_PAD], -1, gl.int32, KL), mask=after)
-            gl.store(vals + i_t * s_out + o_k, gl.full([K_PAD], float("-inf"), gl.float32, KL), mask=after)
-        else:
-            at_cand = i_t.to(gl.int64) * s_cand + i_s * K_PAD
-            gl.store(cand_ids + at_cand + at, idx, mask=keep)
-            gl.store(cand_vals + at_cand + at, x, mask=keep)
-            gl.store(cand_vals + at_cand + o_k, gl.full([K_PAD], float("-inf"), gl.float32, KL), mask=o_k >= taken)
+        _select_segment(src_vals, src_ids, n_src, cand_vals, cand_ids, ids, vals, bound, i_t, i_s, n_t, s_src, s_ids,
+                        s_cand, s_out, K, PREV_COVER, COVER, scr, held_scr, SOURCE, G, SEG, K_PAD, LAST, BOUND, W)
+        if THEN_SEG > 0:
+            if n_t > COVER:
+                if _last_to_finish(tickets, i_t, gl.cdiv(n_t, COVER)):
+                    _select_segment(cand_vals, cand_ids, n_src, cand_vals, cand_ids, ids, vals, bound, i_t, 0, n_t,
+                                    s_cand, s_cand, s_cand, s_out, K, COVER, n_t, scr, held_scr, 1, G, THEN_SEG, K_PAD,
+                                    True, BOUND, W)
 
 
 def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
-                        allowed: torch.Tensor, maxima: Optional[GroupMaxima]) -> None:
+                        tickets: torch.Tensor, allowed: torch.Tensor, maxima: Optional[GroupMaxima]) -> None:
     """:func:`_scores_kernel` over tokens ``lo:hi`` (the arguments of
     :func:`compile_ops.indexer.triton.launch_scores`), :data:`GLUON_TOKENS` tokens a program in
     a prefill step (:func:`compile_ops.indexer.triton.scores_tokens`)."""
@@ -549,9 +578,9 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
     _scores_kernel[(blocks, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
-        gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
-        allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
-        rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
+        tickets, gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0),
+        scores.stride(0), allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size,
+        q.shape[1], S, rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
         HI=max(16, triton.next_power_of_2(q.shape[1])), TB=TB, RESTRICT=args.candidates is not None, BN=BN,
         PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES,
         FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4,

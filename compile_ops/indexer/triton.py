@@ -130,7 +130,7 @@ def _fp4_block_dot(base, off, m_c, b_e, b_q, q_scale, g: tl.constexpr, UPCAST: t
 
 @triton.jit
 def _scores_kernel(
-    q, w, t2r, n_entries, cache, keys, table, allowed, scores, n_out, gmax, g_counts,
+    q, w, t2r, n_entries, cache, keys, table, allowed, scores, n_out, tickets, gmax, g_counts,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
     rank, world, interleave, block, nb, K,
     HI: tl.constexpr, TB: tl.constexpr, FP8: tl.constexpr, RESTRICT: tl.constexpr, BN: tl.constexpr,
@@ -145,6 +145,7 @@ def _scores_kernel(
     row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
     if i_s == 0:
         tl.store(n_out + t_j, n_j, mask=m_j)
+        tl.store(tickets + t_j, tl.zeros_like(n_j), mask=m_j)  # (topk_of_rows)
         if GROUPS:
             _store_group_counts(g_counts, t_j, T, n_j, K, G, m_j)
     o_h = tl.arange(0, TB * HI)
@@ -379,10 +380,61 @@ def _level_entries(src_vals, src_ids, n_src, bound, i_t, c, n_t, s_src, s_ids, P
 
 
 @triton.jit
+def _select_segment(src_vals, src_ids, n_src, cand_vals, cand_ids, ids, vals, bound, i_t, i_s, n_t, s_src, s_ids,
+                    s_cand, s_out, K, PREV_COVER, COVER, SOURCE: tl.constexpr, G: tl.constexpr, SEG: tl.constexpr,
+                    K_PAD: tl.constexpr, LAST: tl.constexpr, SORTED: tl.constexpr, BOUND: tl.constexpr):
+    """Program ``i_s``'s part of a level (:func:`_segment_topk_kernel`) for row ``i_t`` of
+    ``n_t`` scores."""
+    o = tl.arange(0, SEG)
+    idx, x, key, ok = _level_entries(src_vals, src_ids, n_src, bound, i_t, i_s * SEG + o, n_t, s_src, s_ids,
+                                     PREV_COVER, SOURCE, G, K_PAD)
+    held = tl.sum(ok.to(tl.int32))
+    thr = tl.full([], -2147483648, tl.int32)  # keep every entry ...
+    need = K
+    if held > K:  # ... unless this program holds more than K
+        thr, need = _kth_key(key, ok, K)
+    eq = (ok & (key == thr)).to(tl.int32)
+    keep = (ok & (key > thr)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < need))
+    keep_i = keep.to(tl.int32)
+    at = tl.cumsum(keep_i, 0) - keep_i
+    taken = tl.sum(keep_i)
+    o_k = tl.arange(0, K_PAD)
+    if LAST or n_t <= COVER:
+        if BOUND:
+            tl.store(bound + i_t, thr)
+        tl.store(ids + i_t * s_out + at, idx, mask=keep)
+        tl.store(vals + i_t * s_out + at, x, mask=keep)
+        if SORTED:
+            tl.debug_barrier()  # the kept entries are stored before the sort reads them
+            _sort_row(ids + i_t * s_out, vals + i_t * s_out, taken, K, K_PAD)
+        else:
+            after = (o_k >= taken) & (o_k < K)
+            tl.store(ids + i_t * s_out + o_k, tl.full([K_PAD], -1, tl.int32), mask=after)
+            tl.store(vals + i_t * s_out + o_k, tl.full([K_PAD], float("-inf"), tl.float32), mask=after)
+    else:
+        at_cand = i_t.to(tl.int64) * s_cand + i_s * K_PAD
+        tl.store(cand_ids + at_cand + at, idx, mask=keep)
+        tl.store(cand_vals + at_cand + at, x, mask=keep)
+        tl.store(cand_vals + at_cand + o_k, tl.full([K_PAD], float("-inf"), tl.float32), mask=o_k >= taken)
+
+
+@triton.jit
+def _last_to_finish(tickets, i_t, programs):
+    """Whether this program is the last of row ``i_t``'s ``programs`` to finish its part of
+    a launch: each counts itself done on ``tickets[i_t]`` (once its stores are made, which
+    the last one then sees), and the last sets the count back to 0 for the next launch."""
+    tl.debug_barrier()  # every thread's stores are made before the count says so
+    last = tl.atomic_add(tickets + i_t, 1, sem="acq_rel") == programs - 1
+    if last:
+        tl.store(tickets + i_t, 0)
+    return last
+
+
+@triton.jit
 def _segment_topk_kernel(
-    src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, bound, s_src, s_ids, s_cand, s_out, K, PREV_COVER,
-    COVER, SOURCE: tl.constexpr, G: tl.constexpr, SEG: tl.constexpr, K_PAD: tl.constexpr,
-    LAST: tl.constexpr, SORTED: tl.constexpr, BOUND: tl.constexpr,
+    src_vals, src_ids, n, n_src, cand_vals, cand_ids, ids, vals, bound, tickets, s_src, s_ids, s_cand, s_out, K,
+    PREV_COVER, COVER, SOURCE: tl.constexpr, G: tl.constexpr, SEG: tl.constexpr, K_PAD: tl.constexpr,
+    LAST: tl.constexpr, SORTED: tl.constexpr, BOUND: tl.constexpr, THEN_SEG: tl.constexpr,
 ):
     """One level of the top-k: program ``(t, s)`` holds entries ``[s * SEG, (s + 1) * SEG)``
     of row ``t``'s first ``n[t]`` and keeps their best ``K`` (:func:`_kth_key`; equal scores go
@@ -397,41 +449,21 @@ def _segment_topk_kernel(
     lowest key: no bound): at least ``K`` of the row's entries score that or more, so none
     below it is in the row's top-``K``. Programs with nothing to do (past the row's entries,
     or a row an earlier level finished: ``n[t] <= PREV_COVER``) return at once; so does the
-    search of a program holding at most ``K`` entries (it keeps them all)."""
+    search of a program holding at most ``K`` entries (it keeps them all). With ``THEN_SEG``
+    the row's last program to finish (:func:`_last_to_finish`; ``tickets [T]`` int32, 0 on
+    entry and on exit) then runs the row's last level over the ``THEN_SEG`` slots the
+    programs kept, so the last level is no launch of its own."""
     i_t, i_s = tl.program_id(0), tl.program_id(1)
     n_t = tl.maximum(tl.load(n + i_t), 0)
     if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
-        o = tl.arange(0, SEG)
-        idx, x, key, ok = _level_entries(src_vals, src_ids, n_src, bound, i_t, i_s * SEG + o, n_t, s_src, s_ids,
-                                         PREV_COVER, SOURCE, G, K_PAD)
-        held = tl.sum(ok.to(tl.int32))
-        thr = tl.full([], -2147483648, tl.int32)  # keep every entry ...
-        need = K
-        if held > K:  # ... unless this program holds more than K
-            thr, need = _kth_key(key, ok, K)
-        eq = (ok & (key == thr)).to(tl.int32)
-        keep = (ok & (key > thr)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < need))
-        keep_i = keep.to(tl.int32)
-        at = tl.cumsum(keep_i, 0) - keep_i
-        taken = tl.sum(keep_i)
-        o_k = tl.arange(0, K_PAD)
-        if LAST or n_t <= COVER:
-            if BOUND:
-                tl.store(bound + i_t, thr)
-            tl.store(ids + i_t * s_out + at, idx, mask=keep)
-            tl.store(vals + i_t * s_out + at, x, mask=keep)
-            if SORTED:
-                tl.debug_barrier()  # the kept entries are stored before the sort reads them
-                _sort_row(ids + i_t * s_out, vals + i_t * s_out, taken, K, K_PAD)
-            else:
-                after = (o_k >= taken) & (o_k < K)
-                tl.store(ids + i_t * s_out + o_k, tl.full([K_PAD], -1, tl.int32), mask=after)
-                tl.store(vals + i_t * s_out + o_k, tl.full([K_PAD], float("-inf"), tl.float32), mask=after)
-        else:
-            at_cand = i_t.to(tl.int64) * s_cand + i_s * K_PAD
-            tl.store(cand_ids + at_cand + at, idx, mask=keep)
-            tl.store(cand_vals + at_cand + at, x, mask=keep)
-            tl.store(cand_vals + at_cand + o_k, tl.full([K_PAD], float("-inf"), tl.float32), mask=o_k >= taken)
+        _select_segment(src_vals, src_ids, n_src, cand_vals, cand_ids, ids, vals, bound, i_t, i_s, n_t, s_src, s_ids,
+                        s_cand, s_out, K, PREV_COVER, COVER, SOURCE, G, SEG, K_PAD, LAST, SORTED, BOUND)
+        if THEN_SEG > 0:
+            if n_t > COVER:
+                if _last_to_finish(tickets, i_t, tl.cdiv(n_t, COVER)):
+                    _select_segment(cand_vals, cand_ids, n_src, cand_vals, cand_ids, ids, vals, bound, i_t, 0, n_t,
+                                    s_cand, s_cand, s_cand, s_out, K, COVER, n_t, 1, G, THEN_SEG, K_PAD, True, SORTED,
+                                    BOUND)
 
 
 def one_chunk(T, L: int) -> bool:
@@ -477,7 +509,9 @@ class TopkLaunch(NamedTuple):
     entries of its ``source`` (0: the row's scores, 1: the level before's kept entries, 2: a
     long row's kept groups' entries); ``cover`` scores per program's result, ``k_pad`` slots
     per result; ``last``: the level that writes the row's result, ``sort``: by score (else
-    in id order)."""
+    in id order); ``then_seg``: where not 0, the row's last level (one program selecting
+    from ``then_seg`` slots, those this launch's programs kept) runs in the program that
+    finishes the row's part of this launch last, so it is no launch of its own."""
 
     source: int
     seg: int
@@ -486,23 +520,29 @@ class TopkLaunch(NamedTuple):
     k_pad: int
     last: bool
     sort: bool
+    then_seg: int = 0
 
     @property
     def warps(self) -> int:
-        """Warps of a program holding ``seg`` entries: 16 at 8K, whose registers 8 warps
-        would spill."""
-        return 16 if self.seg >= 8192 else 8 if self.seg >= 2048 else 4
+        """Warps of a program holding ``seg`` (or ``then_seg``) entries: 16 at 8K, whose
+        registers 8 warps would spill."""
+        seg = max(self.seg, self.then_seg)
+        return 16 if seg >= 8192 else 8 if seg >= 2048 else 4
 
 
 def _selection(T, L: int, k: int, sms: int, segment: Optional[int], source: int, sort: bool) -> list[TopkLaunch]:
-    """The launches of one selection of ``k`` among rows of ``L`` entries (:func:`topk_levels`);
-    a program gathering its entries through group ids (``source`` 2) holds at most
-    ``TOPK_GATHER_SEGMENT``."""
+    """The launches of one selection of ``k`` among rows of ``L`` entries (:func:`topk_levels`),
+    the last level run by the launch of the level before where there is one
+    (``TopkLaunch.then_seg``); a program gathering its entries through group ids (``source``
+    2) holds at most ``TOPK_GATHER_SEGMENT``."""
     segment = segment or topk_segment(T, L, sms)
     levels = topk_levels(L, k, min(segment, TOPK_GATHER_SEGMENT) if source == 2 else segment)
     k_pad = triton.next_power_of_2(k)
-    return [TopkLaunch(source if i == 0 else 1, seg, programs, cover, k_pad, i == len(levels) - 1, sort)
-            for i, (seg, programs, cover) in enumerate(levels)]
+    launches = [TopkLaunch(source if i == 0 else 1, seg, programs, cover, k_pad, i == len(levels) - 1, sort)
+                for i, (seg, programs, cover) in enumerate(levels)]
+    if len(launches) > 1:
+        launches[-2:] = [launches[-2]._replace(then_seg=launches[-1].seg)]
+    return launches
 
 
 def grouped(L: int, k: int) -> bool:
@@ -544,13 +584,14 @@ def topk_plan(T, L: int, k: int, sms: int, segment: Optional[int] = None, sort: 
             _selection(T, k * TOPK_GROUP, k, sms, segment, 2, sort)]
 
 
-def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=None, bound=None,
+def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, tickets, groups=None, n_src=None, bound=None,
             store_bound: bool = False, level_kernel=None) -> None:
     """``levels`` over ``src [T, L]`` (a first ``source`` 2: entries addressed through
     ``groups``, at or above ``bound``), ending in ``ids`` / ``vals`` (and, ``store_bound``,
-    the row's ``k``-th best key into ``bound``). ``level_kernel``: a kernel of
-    ``_segment_topk_kernel``'s arguments less ``SORTED`` plus ``W`` (its warps), for the
-    levels that do not sort and hold at least one entry per thread."""
+    the row's ``k``-th best key into ``bound``); ``tickets [T]`` int32 zeros, zeros again
+    after. ``level_kernel``: a kernel of ``_segment_topk_kernel``'s arguments less ``SORTED``
+    plus ``W`` (its warps), for the levels that do not sort and hold at least one entry per
+    thread."""
     T = src.shape[0]
     src_vals, src_ids, prev_cover = src, groups if levels[0].source == 2 else n, -1
     for level in levels:
@@ -560,11 +601,13 @@ def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, groups=None, n_src=N
             cand_vals = torch.empty((T, level.programs * level.k_pad), dtype=torch.float32, device=src.device)
             cand_ids = torch.empty((T, level.programs * level.k_pad), dtype=torch.int32, device=src.device)
         arguments = (src_vals, src_ids, n, n if n_src is None else n_src, cand_vals, cand_ids, ids, vals,
-                     n if bound is None else bound, src_vals.stride(0), src_ids.stride(0) if src_ids.dim() == 2 else 0,
-                     cand_vals.stride(0), ids.stride(0), k, prev_cover, level.cover)
+                     n if bound is None else bound, tickets, src_vals.stride(0),
+                     src_ids.stride(0) if src_ids.dim() == 2 else 0, cand_vals.stride(0), ids.stride(0), k, prev_cover,
+                     level.cover)
         constants = dict(SOURCE=level.source, G=TOPK_GROUP, SEG=level.seg, K_PAD=level.k_pad, LAST=level.last,
-                         BOUND=store_bound, num_warps=level.warps)
-        if level_kernel is not None and not level.sort and level.seg >= 32 * level.warps:
+                         BOUND=store_bound, THEN_SEG=level.then_seg, num_warps=level.warps)
+        if level_kernel is not None and not level.sort and all(seg >= 32 * level.warps
+                                                                for seg in (level.seg, level.then_seg) if seg):
             level_kernel[(T, level.programs)](*arguments, W=level.warps, **constants)
         else:
             launchable(_segment_topk_kernel, src)[(T, level.programs)](*arguments, SORTED=level.sort, **constants)
@@ -584,7 +627,7 @@ def group_maxima_of(scores: torch.Tensor, n: torch.Tensor, k: int) -> GroupMaxim
 
 def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, k: int,
                  segment: Optional[int] = None, sort: bool = True, maxima: Optional[GroupMaxima] = None,
-                 level_kernel=None) -> None:
+                 level_kernel=None, tickets: Optional[torch.Tensor] = None) -> None:
     """The exact top-``k`` of each row's first ``n[t]`` scores (``-inf`` = none) into ``ids`` /
     ``vals [T, k]``, by (score descending, id ascending), or in id order unless ``sort``
     (the same entries; no sort): each level of :func:`topk_levels`
@@ -596,19 +639,26 @@ def topk_of_rows(scores: torch.Tensor, n: torch.Tensor, ids: torch.Tensor, vals:
     levels then select from those ``k * TOPK_GROUP`` entries. ``segment``: the entries a
     program selects from (:func:`topk_segment`); ``maxima``: a long row's group maxima where
     the scores kernel wrote them (else one launch takes them from ``scores``); ``level_kernel``:
-    the ``gluon`` backend's kernel for the levels that do not sort (:func:`_launch`)."""
+    the ``gluon`` backend's kernel for the levels that do not sort (:func:`_launch`);
+    ``tickets``: ``[T]`` int32 zeros (the scores kernel zeroes them; a launch that runs a
+    row's last level counts its programs on them and leaves them zero), or ``None`` for a
+    fill of its own."""
     T, L = scores.shape
     plan = topk_plan(T, L, k, num_sms(scores.device), segment, sort)
+    if tickets is None:
+        tickets = torch.zeros((T,), dtype=torch.int32, device=scores.device)
     if len(plan) == 1:
-        _launch(plan[0], scores, n, ids, vals, k, level_kernel=level_kernel)
+        _launch(plan[0], scores, n, ids, vals, k, tickets, level_kernel=level_kernel)
         return
     if maxima is None:
         maxima = group_maxima_of(scores, n, k)
     n_groups, n_cand = maxima.counts
     groups = torch.empty((T, k), dtype=torch.int32, device=scores.device)
     bound = torch.empty((T,), dtype=torch.int32, device=scores.device)
-    _launch(plan[0], maxima.best, n_groups, groups, vals, k, bound=bound, store_bound=True, level_kernel=level_kernel)
-    _launch(plan[1], scores, n_cand, ids, vals, k, groups=groups, n_src=n, bound=bound, level_kernel=level_kernel)
+    _launch(plan[0], maxima.best, n_groups, groups, vals, k, tickets, bound=bound, store_bound=True,
+            level_kernel=level_kernel)
+    _launch(plan[1], scores, n_cand, ids, vals, k, tickets, groups=groups, n_src=n, bound=bound,
+            level_kernel=level_kernel)
 
 
 def global_blocks(args: IndexerArgs) -> int:
@@ -669,10 +719,11 @@ def key_blocks(cache: torch.Tensor, fp8: bool):
                             [page_size * cache.shape[2], 128, 1], [1, BN, 128])
 
 
-def launch_scores(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor,
+def launch_scores(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: torch.Tensor, tickets: torch.Tensor,
                   allowed: torch.Tensor, maxima: Optional[GroupMaxima]) -> None:
     """``_scores_kernel`` over tokens ``lo:hi``: their scores into ``scores [hi - lo, L]`` fp32
-    and local counts into ``n [hi - lo]`` int32 (``allowed``: the chunk's candidate mask,
+    and local counts into ``n [hi - lo]`` int32, zeros into their top-k's ``tickets [hi - lo]``
+    int32 (:func:`topk_of_rows`; ``allowed``: the chunk's candidate mask,
     :func:`mark_candidates`, or any tensor when the call has no candidates), and the top-k's
     group maxima of them into ``maxima`` unless ``None``."""
     q, w, cache, table = args.q, args.weights, args.cache, args.block_table
@@ -688,9 +739,9 @@ def launch_scores(args: IndexerArgs, lo: int, hi: int, scores: torch.Tensor, n: 
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
     launchable(_scores_kernel, q)[(triton.cdiv(hi - lo, TB), S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, keys, table, allowed, scores, n,
-        gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0), scores.stride(0),
-        allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size, q.shape[1], S,
-        rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
+        tickets, gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0),
+        scores.stride(0), allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size,
+        q.shape[1], S, rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
         HI=HI, TB=TB, FP8=args.fmt.fp8, RESTRICT=args.candidates is not None,
         BN=BN, ITERS=triton.cdiv(blocks, S) if INTERPRET else 0, UPCAST=INTERPRET, TMA=keys is not cache,
         FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_stages=stages, num_warps=4 * TB,
@@ -713,8 +764,9 @@ def scores_tokens(T, R: int, most: int = SCORES_TOKENS) -> int:
 def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select, launch,
                ids_of_rows: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Scores of token chunks (each under ``SCORES_BYTES``) by ``launch`` (:func:`launch_scores`'s
-    arguments), then ``select(scores, n, lo, hi, outs, maxima)`` (``n``: the chunk's local
-    counts; ``maxima``: the group maxima the scores kernel wrote where ``ids_of_rows`` (the
+    arguments), then ``select(scores, n, tickets, lo, hi, outs, maxima)`` (``n``: the chunk's
+    local counts; ``tickets``: its top-k's, zeroed by the scores kernel; ``maxima``: the group
+    maxima the scores kernel wrote where ``ids_of_rows`` (the
     call selects entries of its rows) and the rows are long, :func:`grouped`, else ``None``)
     fills rows ``lo:hi`` of each ``(ids [T, width] int32, vals [T, width] fp32)`` output
     pair, one per ``widths``; only shapes steer the launches."""
@@ -731,44 +783,47 @@ def _per_chunk(args: IndexerArgs, widths: tuple[int, ...], select, launch,
         chunks = [(lo, min(T, lo + chunk)) for lo in range(0, T, chunk)]
     for lo, hi in chunks:
         scores = torch.empty((hi - lo, L), dtype=torch.float32, device=device)
-        n = torch.empty((hi - lo,), dtype=torch.int32, device=device)
+        n, tickets = torch.empty((2, hi - lo), dtype=torch.int32, device=device)
         maxima = GroupMaxima.empty(hi - lo, L, device) if ids_of_rows and grouped(L, args.k) else None
-        launch(args, lo, hi, scores, n, n if args.candidates is None else mark_candidates(args, lo, hi), maxima)
-        select(scores, n, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs], maxima)
+        launch(args, lo, hi, scores, n, tickets, n if args.candidates is None else mark_candidates(args, lo, hi),
+               maxima)
+        select(scores, n, tickets, lo, hi, [(ids[lo:hi], vals[lo:hi]) for ids, vals in outs], maxima)
     return outs
 
 
-def _select_ids(args: IndexerArgs, scores, n, out, maxima: Optional[GroupMaxima], level_kernel=None) -> None:
-    topk_of_rows(scores, n, *out, args.k, sort=args.order == "score", maxima=maxima, level_kernel=level_kernel)
+def _select_ids(args: IndexerArgs, scores, n, tickets, out, maxima: Optional[GroupMaxima], level_kernel=None) -> None:
+    topk_of_rows(scores, n, *out, args.k, sort=args.order == "score", maxima=maxima, level_kernel=level_kernel,
+                 tickets=tickets)
 
 
-def _select_blocks(args: IndexerArgs, scores, n, lo, hi, out, width: int, level_kernel=None) -> None:
+def _select_blocks(args: IndexerArgs, scores, n, tickets, lo, hi, out, width: int, level_kernel=None) -> None:
     blocks, visible = visible_block_scores(args, scores, n, lo, hi)
-    topk_of_rows(blocks, visible, *out, width, sort=args.order == "score", level_kernel=level_kernel)
+    topk_of_rows(blocks, visible, *out, width, sort=args.order == "score", level_kernel=level_kernel,
+                 tickets=tickets)
 
 
 def indexer_topk_triton(args: IndexerArgs, launch=launch_scores, level_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids [T, k] int32, scores [T, k] fp32)`` of a validated call (see
     :class:`compile_ops.indexer.inputs.IndexerArgs`), its scores by ``launch``, its top-k's
     unsorted levels by ``level_kernel`` (:func:`topk_of_rows`)."""
-    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs, maxima: _select_ids(
-        args, scores, n, outs[0], maxima, level_kernel), launch, ids_of_rows=True)[0]
+    return _per_chunk(args, (args.k,), lambda scores, n, tickets, lo, hi, outs, maxima: _select_ids(
+        args, scores, n, tickets, outs[0], maxima, level_kernel), launch, ids_of_rows=True)[0]
 
 
 def indexer_candidates_triton(args: IndexerArgs, launch=launch_scores,
                               level_kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks [T, k] int32, block scores [T, k] fp32)`` of a validated call."""
-    return _per_chunk(args, (args.k,), lambda scores, n, lo, hi, outs, maxima: _select_blocks(
-        args, scores, n, lo, hi, outs[0], args.k, level_kernel), launch, ids_of_rows=False)[0]
+    return _per_chunk(args, (args.k,), lambda scores, n, tickets, lo, hi, outs, maxima: _select_blocks(
+        args, scores, n, tickets, lo, hi, outs[0], args.k, level_kernel), launch, ids_of_rows=False)[0]
 
 
 def indexer_topk_and_candidates_triton(args: IndexerArgs, launch=launch_scores, level_kernel=None):
     """``((ids, scores) [T, k], (blocks, block scores) [T, n_blocks])`` of a validated call,
     the two top-k over one scores buffer."""
 
-    def select(scores, n, lo, hi, outs, maxima):
-        _select_ids(args, scores, n, outs[0], maxima, level_kernel)
-        _select_blocks(args, scores, n, lo, hi, outs[1], args.n_blocks, level_kernel)
+    def select(scores, n, tickets, lo, hi, outs, maxima):
+        _select_ids(args, scores, n, tickets, outs[0], maxima, level_kernel)
+        _select_blocks(args, scores, n, tickets, lo, hi, outs[1], args.n_blocks, level_kernel)
 
     ids, blocks = _per_chunk(args, (args.k, args.n_blocks), select, launch, ids_of_rows=True)
     return ids, blocks
