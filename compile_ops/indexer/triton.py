@@ -2,7 +2,8 @@
 
 The op's tensors go to the kernels as given (the request-row checks, DCP shard counts,
 candidate restriction and the query's quantization happen inside), so a call is a few
-launches: the scores kernel and one top-k kernel per level of the top-k (one level for
+launches: the scores kernel and one top-k kernel per level of the top-k but the last,
+which the last program to finish a row's part of the level before runs (one level for
 rows of at most a few thousand entries). Every kernel is length-bounded: a token's
 programs stop at its ``n`` entries; nothing reads or scores past it, whatever the cache's
 capacity.
@@ -27,7 +28,9 @@ capacity.
   ``k``-th largest key exactly by bisection of the key range (each step one count over the
   registers, at most 32 steps) and keeps every entry above it
   and the lowest-id ones equal to it, in id order. The kept entries of a row's segments
-  are selected from again the same way until one program covers the row; that program
+  are selected from again the same way until one program covers the row (the last
+  selection runs in the program that finishes the row's part of the one before last,
+  which a per-row count on ``tickets`` tells: no launch of its own); that program
   sorts its ``k`` by (score descending, id ascending) with ``tl.sort``, or keeps them in
   id order (``order="id"``: no sort). A row of at most ``TOPK_SEGMENTS[1]`` scores can be
   one launch of one program per row. :func:`topk_plan` states the launches.
