@@ -24,11 +24,13 @@ SM90_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may opt 
 # Spills known today (Triton 3.7.1), the most allowed: a program selecting among 8192 entries
 # holds more registers per thread than 16 warps have (its keys, ids and scores); a handful of
 # values go to local memory.
-KNOWN_SPILLS = {"topk-0-8192-512-last-ids": 2, "topk-0-8192-512-last-sorted": 2, "topk-0-8192-2048-last-sorted": 4}
+KNOWN_SPILLS = {"topk-0-8192-512-last-ids": 2, "topk-0-8192-512-last-sorted": 2, "topk-0-8192-2048-last-sorted": 4,
+                "topk-1-8192-2048-level-ids": 4}
 # Triton 3.9 builds a few programs over 8192 entries with more, the others with fewer or none
 if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9):
     KNOWN_SPILLS.update({"topk-0-8192-512-last-ids": 8, "topk-0-8192-512-last-sorted": 8,
-                         "topk-0-8192-2048-last-ids": 2, "topk-2-8192-2048-then-8192-sorted": 4})
+                         "topk-0-8192-2048-last-ids": 2, "topk-1-8192-2048-last-sorted": 6,
+                         "topk-1-8192-2048-level-ids": 12, "topk-2-8192-2048-then-8192-sorted": 4})
 
 
 def topk_name(launch) -> str:
@@ -133,6 +135,9 @@ def test_the_build_covers_every_launch_of_the_plan(reports):
     # 512 from their 2048 kept entries (no launch of its own)
     assert kernels.topk_plan(1, 8192, 512, sms=132, sort=False) == [[kernels.TopkLaunch(0, 2048, 4, 2048, 512, False,
                                                                                           False, then_seg=2048)]]
+    # ... but a prefill chunk's launch of thousands of programs leaves the last level its own
+    prefill = kernels.topk_plan(2048, 16384, 512, sms=132, sort=False)[1]
+    assert [(launch.programs, launch.last, launch.then_seg) for launch in prefill] == [(2, False, 0), (1, True, 0)]
     grouped = kernels.topk_plan(64, 1 << 20, 512, sms=132)
     assert len(grouped) == 2 and grouped[1][0].source == 2 and grouped[1][0].seg <= kernels.TOPK_GATHER_SEGMENT
     assert all(topk_name(launch) in reports for stage in grouped for launch in stage)

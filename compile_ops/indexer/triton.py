@@ -69,6 +69,10 @@ BN = 64  # entries per scores block
 TOPK_SEGMENTS = (2048, 8192)  # entries one top-k program selects from (in its registers)
 TOPK_GATHER_SEGMENT = 4096  # ... when it gathers them through group ids (8192 spill registers)
 TOPK_GROUP = 16  # entries per group of a long row's first selection
+# a launch of at most this many programs an SM runs the rows' last level in its programs (a
+# launch fewer); past it (a prefill chunk's thousands of rows) the last level's own launch is
+# faster (docs/performance-indexer.md)
+TOPK_THEN_PROGRAMS_PER_SM = 2
 # rows of more than this many k * TOPK_GROUP entries select groups first (at k = 512: rows
 # past one top-k program's segment, which would otherwise take a second level)
 TOPK_GROUPED_FROM = 1
@@ -535,15 +539,17 @@ class TopkLaunch(NamedTuple):
 
 def _selection(T, L: int, k: int, sms: int, segment: Optional[int], source: int, sort: bool) -> list[TopkLaunch]:
     """The launches of one selection of ``k`` among rows of ``L`` entries (:func:`topk_levels`),
-    the last level run by the launch of the level before where there is one
-    (``TopkLaunch.then_seg``); a program gathering its entries through group ids (``source``
-    2) holds at most ``TOPK_GATHER_SEGMENT``."""
+    the last level run by the launch of the level before where that launch is at most
+    ``TOPK_THEN_PROGRAMS_PER_SM`` programs an SM (``TopkLaunch.then_seg``; a traced ``T``
+    counts as one row); a program gathering its entries through group ids (``source`` 2)
+    holds at most ``TOPK_GATHER_SEGMENT``."""
     segment = segment or topk_segment(T, L, sms)
     levels = topk_levels(L, k, min(segment, TOPK_GATHER_SEGMENT) if source == 2 else segment)
     k_pad = triton.next_power_of_2(k)
     launches = [TopkLaunch(source if i == 0 else 1, seg, programs, cover, k_pad, i == len(levels) - 1, sort)
                 for i, (seg, programs, cover) in enumerate(levels)]
-    if len(launches) > 1:
+    rows = T if isinstance(T, int) else 1
+    if len(launches) > 1 and rows * launches[-2].programs <= TOPK_THEN_PROGRAMS_PER_SM * sms:
         launches[-2:] = [launches[-2]._replace(then_seg=launches[-1].seg)]
     return launches
 
