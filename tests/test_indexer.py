@@ -421,12 +421,13 @@ def test_interpreter_topk_over_many_segments(k, grouped, ties, monkeypatch):
 @settings(deadline=None, max_examples=examples(0.3))
 @given(T=st.integers(1, 3), L=st.integers(1, 300), k=st.integers(1, 20), segment=st.sampled_from([16, 64]),
        group=st.sampled_from([2, 4]), grouped=st.booleans(), spread=st.integers(1, 8), sort=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_interpreter_topk_levels_equal_a_stable_sort(T, L, k, segment, group, grouped, spread, sort, seed):
+       then=st.booleans(), seed=st.integers(0, 2**16))
+def test_interpreter_topk_levels_equal_a_stable_sort(T, L, k, segment, group, grouped, spread, sort, then, seed):
     """Any row length, ``k``, segment and group size, groups first or not: the levels' ids
     and scores are a stable sort's (ties frequent: scores drawn from ``spread`` values);
-    unsorted, the same ids and scores in id order. The launches that run a row's last level
-    in their last program leave its ticket at 0, ready for the next launch."""
+    unsorted, the same ids and scores in id order. The last level in the launch before it
+    (``then``) or in one of its own; the launches that run a row's last level in their last
+    program leave its ticket at 0, ready for the next launch."""
     pytest.importorskip("triton")
     from compile_ops.indexer import triton as kernels
     from compile_ops.indexer.reference import by_id, topk_of_scores
@@ -443,6 +444,7 @@ def test_interpreter_topk_levels_equal_a_stable_sort(T, L, k, segment, group, gr
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "TOPK_GROUP", group)
         patch.setattr(kernels, "TOPK_GROUPED_FROM", 1 if grouped else 1 << 30)
+        patch.setattr(kernels, "TOPK_THEN_PROGRAMS_PER_SM", 1 << 20 if then else 0)
         kernels.topk_of_rows(scores, n, ids, vals, k, segment=segment, sort=sort, tickets=tickets)
     assert torch.equal(ids, want_ids)
     assert torch.equal(vals, want_vals)
