@@ -679,6 +679,22 @@ class DSV41Attention(nn.Module):
                              f"or run it in a DSV41Stack")
         return shared
 
+    def _write_caches(self, xs: dict[str, Tensor], inp: StepInputs, cos: Tensor, sin: Tensor,
+                      dtype: torch.dtype) -> None:
+        """Write the step's window kv, and with its own compressor its closed compressed
+        entries and their index keys, from the ``x`` stack's projections ``xs``."""
+        rows, rd = inp.rows, self.rope_dim
+        kv = apply_rope_last(self.kv_norm(xs["wkv"].to(dtype)), rd, cos, sin)
+        torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
+        if self.compressor is None:
+            return
+        latent, _ = self.compressor.latent(xs["compressor"], rows, dtype)
+        group_start = rows.pos - rows.pos % self.compress_ratio
+        entry = apply_rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
+        torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.cmp_kv_format, self.kv_scale)
+        if self.indexer is not None and self.indexer.index_cache is not None:
+            self.indexer.write_keys(xs.get("indexer.compressor"), rows, self.rope_cos, self.rope_sin, inp, latent)
+
     def forward(self, x: Tensor, inp: StepInputs, shared: Optional[Shared] = None) -> Tensor:
         """One step of ``T`` tokens: ``x [T, dim]`` bf16 -> ``[T, dim]`` bf16 (rows of
         padding tokens hold garbage). A layer that reads other layers' caches or ids
@@ -701,6 +717,7 @@ class DSV41Attention(nn.Module):
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
 
         xs = project(self, self.stacks["x"], x)
+        self._write_caches(xs, inp, cos, sin, x.dtype)
         qr = self.q_norm(xs["wq_a"].to(x.dtype))
         qs = project(self, self.stacks["q"], qr)
         if self.cfg.v41:  # V4.1 does not normalise q's heads: turned in place in the projection's output
@@ -713,26 +730,15 @@ class DSV41Attention(nn.Module):
             q = qs["wq_b"].to(x.dtype).float().view(T, self.local_heads, D)
             q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.cfg.norm_eps)
             q = apply_rope_last(q, rd, cos, sin).to(x.dtype)
-        kv = apply_rope_last(self.kv_norm(xs["wkv"].to(x.dtype)), rd, cos, sin)
-        torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
         swa_idx, swa_lens = inp.swa_idx, inp.swa_lens
 
         cmp_idx: Optional[Tensor] = None
         cmp_lens: Optional[Tensor] = None
         cmp_cache = self.cmp_cache
         if self.compress_ratio:
-            ratio = self.compress_ratio
             shared = self._check_shared(shared)
             index_cache = self.indexer.index_cache if self.indexer is not None else None
-            if self.compressor is not None:
-                latent, _ = self.compressor.latent(xs["compressor"], rows, x.dtype)
-                group_start = pos - pos % ratio
-                entry = apply_rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
-                torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.cmp_kv_format, self.kv_scale)
-                if index_cache is not None:
-                    self.indexer.write_keys(xs.get("indexer.compressor"), rows, self.rope_cos, self.rope_sin, inp,
-                                            latent)
-            else:
+            if self.compressor is None:
                 cmp_cache = shared.cmp_cache
             if self.indexer is not None:
                 if index_cache is None:
@@ -751,11 +757,11 @@ class DSV41Attention(nn.Module):
                 topk = self.topk_ids[:T]
             if self.dcp_group is None:
                 cmp_idx, cmp_lens = torch.ops.dsv41.topk_to_slots(
-                    topk, inp.token_to_req, inp.cmp_block_table, cache.block_size(ratio), valid
+                    topk, inp.token_to_req, inp.cmp_block_table, cache.block_size(self.compress_ratio), valid
                 )
             else:  # the global ids this rank holds, as its local slots
                 cmp_idx, cmp_lens = torch.ops.dsv41.dcp_topk_to_slots(
-                    topk, inp.token_to_req, inp.cmp_block_table, cache.block_size(ratio), valid,
+                    topk, inp.token_to_req, inp.cmp_block_table, cache.block_size(self.compress_ratio), valid,
                     self.dcp_rank, cache.dcp_world, cache.dcp_interleave,
                 )
 
@@ -780,14 +786,12 @@ class DSV41Attention(nn.Module):
             flat = torch.ops.dsv41.fp8_linear(o.view(T, -1), self.wo_a.weight, self.wo_a.scale, groups)
         else:
             wo_a = self.wo_a.weight.view(groups, lora, -1)
-            # One GEMM per group, batched over groups: [G, T, H*D/G] @ [G, H*D/G, o_lora]. (A
-            # matmul broadcasting wo_a over tokens would copy the 67 MB weight once per token.)
-            o = torch.bmm(o.view(T, groups, -1).transpose(0, 1), wo_a.transpose(1, 2))  # [G, T, o_lora]
-            # Gather the groups back token-major into a fresh contiguous [T, G, o_lora] tensor;
-            # ``reshape`` of the transposed view would add a guard on T == 1.
-            flat = o.new_empty(T, groups, o.shape[-1])
-            flat.copy_(o.transpose(0, 1))
-        y = self.wo_b(flat.view(T, -1))
+            # One GEMM per group, batched over groups, each group's output transposed:
+            # [G, o_lora, H*D/G] @ [G, H*D/G, T] -> [G, o_lora, T], which is [T, G * o_lora]
+            # column-major, read by wo_b as it lies (no copy back to token-major). (A matmul
+            # broadcasting wo_a over tokens would copy the 67 MB weight once per token.)
+            flat = torch.bmm(wo_a, o.view(T, groups, -1).permute(1, 2, 0)).view(groups * lora, T).t()
+        y = self.wo_b(flat)
         if self.dcp_group is not None:  # each rank's output groups: the sum is the layer's output
             c10d = torch.ops._c10d_functional
             y = c10d.wait_tensor(c10d.all_reduce(y, "sum", self.dcp_group))
