@@ -34,7 +34,7 @@ from compile_ops.linear import quantize_blocks
 from compile_ops.linear.quant import TILE_N
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
-from graphs.fused import StackedRows, project, stack_rows
+from graphs.fused import StackedRows, columns, join_beside, project, project_beside, side_stream, stack_rows
 from graphs.metadata import Geometry, StepInputs, StepRows, derive, step_inputs
 from graphs.plan import LayerPlan, LayerRole
 from graphs.rope import apply_rope_last, layer_inv_freq, rope_heads_, rope_tables
@@ -454,6 +454,7 @@ class DSV41Attention(nn.Module):
             "swa_cache", new_cache(cache.kv_format, cache.swa_num_pages(cfg.window_size), cache.page_size, device=device),
             persistent=False
         )
+        side_stream(self.device)  # made here, outside any compiled step
         cmp_cache = None
         if role.compresses:
             cmp_cache = new_cache(cache.compressed_format, cache.cmp_num_pages(ratio), cache.block_size(ratio),
@@ -538,6 +539,7 @@ class DSV41Attention(nn.Module):
         # .to() / .cuda() move each weight on its own: stack them again on the new device
         super()._apply(fn, recurse)
         self._stack_projections()
+        side_stream(self.device)
         return self
 
     def _role(self, plan: Optional[LayerPlan], layer_id: int, ratio: int) -> LayerRole:
@@ -717,9 +719,13 @@ class DSV41Attention(nn.Module):
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
 
         xs = project(self, self.stacks["x"], x)
-        self._write_caches(xs, inp, cos, sin, x.dtype)
         qr = self.q_norm(xs["wq_a"].to(x.dtype))
-        qs = project(self, self.stacks["q"], qr)
+        # The q GEMM runs on the side stream while this one writes the caches: neither reads
+        # what the other writes, and the GEMM leaves SMs free for the writes' small kernels.
+        q_stacks = project_beside(self, self.stacks["q"], qr)
+        self._write_caches(xs, inp, cos, sin, x.dtype)
+        join_beside(q_stacks)
+        qs = columns(self.stacks["q"], q_stacks)
         if self.cfg.v41:  # V4.1 does not normalise q's heads: turned in place in the projection's output
             q = qs["wq_b"]
             rope_heads_(q, cos, sin, D)

@@ -6,10 +6,16 @@ the bandwidth, plus a fixed cost per GEMM that small weights cannot hide (the la
 on their own). :func:`stack_rows` stores such weights as consecutive row blocks of one
 tensor, and makes each module's weight a view of its block: the modules, their state-dict
 names and in-place loading stay as they are, with no second copy of the weights.
+
+:func:`project_beside` runs such a GEMM on a side stream of the device while the current
+stream goes on with work that neither reads its output nor writes its input (the layer's
+cache writes beside its ``q`` GEMM); :func:`join_beside` makes the current stream wait for
+it. A GEMM of a few tokens leaves most SMs idle, and small kernels fill them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -55,17 +61,93 @@ def mm_fp32(x: Tensor, weight: Tensor) -> Tensor:
     return x.float() @ weight.float().t()
 
 
+def _weights(module: torch.nn.Module, s: StackedRows) -> tuple[Tensor, Optional[Tensor]]:
+    return getattr(module, s.weight), None if s.scale is None else getattr(module, s.scale)
+
+
+def columns(stacks: tuple[StackedRows, ...], ys: list[Tensor]) -> dict[str, Tensor]:
+    """``{name: [T, width]}``: each stack's projections as column views of its product ``ys[i]``."""
+    out = {}
+    for s, y in zip(stacks, ys):
+        out.update(zip(s.names, y.split(s.widths, dim=1)))
+    return out
+
+
 def project(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor) -> dict[str, Tensor]:
     """Each stacked projection of ``x [T, in]``: ``{name: [T, width]}``, column views of one
     GEMM per stack (fp32 for an ``fp32`` stack, else bf16)."""
-    out = {}
+    ys = []
     for s in stacks:
-        weight = getattr(module, s.weight)
-        if s.scale is not None:
-            y = fp8_linear(x, weight, getattr(module, s.scale))
+        weight, scale = _weights(module, s)
+        if scale is not None:
+            ys.append(fp8_linear(x, weight, scale))
         elif s.fp32:
-            y = mm_fp32(x, weight)
+            ys.append(mm_fp32(x, weight))
         else:
-            y = x @ weight.t()
-        out.update(zip(s.names, y.split(s.widths, dim=1)))
-    return out
+            ys.append(x @ weight.t())
+    return columns(stacks, ys)
+
+
+def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor) -> list[Tensor]:
+    """Each stack's bf16 product with ``x [T, in]`` (``[T, sum of widths]``), computed on
+    the device's side stream (:func:`side_stream`) while the current stream goes on: read
+    them after :func:`join_beside` (then :func:`columns`)."""
+    return [torch.ops.graphs.mm_beside(x, *_weights(module, s)) for s in stacks]
+
+
+def join_beside(ys: list[Tensor]) -> None:
+    """The current stream waits for the side stream's work so far: ``ys``
+    (:func:`project_beside`'s products) may be read after this."""
+    for y in ys:
+        torch.ops.graphs.join_beside(y)
+
+
+# (outside the modules: a module holding a stream could not be deep-copied)
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+    """The stream that runs :func:`project_beside`'s GEMMs on CUDA ``device`` (one per
+    device); ``None`` off CUDA, where they run in order on the current stream."""
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[index]
+
+
+@torch.library.custom_op("graphs::mm_beside", mutates_args=())
+def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
+    """``x [T, in] @ weight [out, in]^T`` -> bf16 ``[T, out]`` (``scale``: an e4m3 weight's
+    block scales, :func:`compile_ops.linear.fp8_linear`), on :func:`side_stream` after the
+    work queued so far on the current stream; read it after ``graphs::join_beside``."""
+    y = x.new_empty(x.shape[0], weight.shape[0])  # the current stream's: freed there, after the join
+    side = side_stream(x.device)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        x.record_stream(side)  # not handed out again while the side stream reads it
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if scale is None:
+            torch.mm(x, weight.t(), out=y)
+        else:
+            y.copy_(fp8_linear(x, weight, scale))
+    return y
+
+
+@mm_beside.register_fake
+def _(x, weight, scale):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("graphs::join_beside", mutates_args=("y",))
+def _join_beside(y: Tensor) -> None:
+    # (``y`` counts as written here, so that its readers come after the wait)
+    side = side_stream(y.device)
+    if side is not None:
+        torch.cuda.current_stream(y.device).wait_stream(side)
+
+
+@_join_beside.register_fake
+def _(y):
+    return None

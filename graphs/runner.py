@@ -37,8 +37,10 @@ if TYPE_CHECKING:
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Inductor options of the step: combo kernels launch independent small kernels (norms, RoPE
 # of separate tensors, the compressor's and the indexer's pointwise work) as one, and at
-# small steps launches, not math, set the time
-STEP_INDUCTOR_OPTIONS = {"combo_kernels": True}
+# small steps launches, not math, set the time; the program's order kept (no locality
+# reordering), which launches the q GEMM on its side stream before the cache writes, not
+# next to its readers after them (``graphs.fused.project_beside``)
+STEP_INDUCTOR_OPTIONS = {"combo_kernels": True, "reorder_for_locality": False}
 STAGING_DEPTH = 4
 """Pinned buffers a :class:`StepRunner` stages its steps' integers in, used in turn: the
 host may plan this many steps ahead of the GPU before it waits for a buffer's copy."""

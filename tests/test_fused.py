@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from graphs import TINY, TINY_V41, DSV41Attention
-from graphs.fused import project
+from graphs.fused import columns, join_beside, project, project_beside
 from test_graphs_fp8 import cache, serve
+from test_opcheck import opcheck
 
 pytestmark = pytest.mark.quick
 
@@ -73,6 +74,26 @@ def test_fp8_weights_stack_where_their_scale_blocks_align():
         assert [s.names for s in stacks] == [("compressor", "indexer.compressor", "indexer.weights_proj")] + fp8_stacks
         assert [s.scale is not None for s in stacks] == [False] + [True] * len(fp8_stacks)
         assert_stacked(layer)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_the_q_projection_beside_equals_the_plain_one(weights):
+    """``project_beside`` (the q stack's GEMM, on a side stream on CUDA), joined, gives
+    ``project``'s columns; its ops' fake kernels match (``opcheck``)."""
+    layer = DSV41Attention(V41, CACHE, 2, weights=weights, seed=3)
+    qr = torch.randn(3, layer.cfg.q_lora_rank).to(torch.bfloat16)
+    stacks = layer.stacks["q"]
+    ys = project_beside(layer, stacks, qr)
+    join_beside(ys)
+    want = project(layer, stacks, qr)
+    got = columns(stacks, ys)
+    assert got.keys() == want.keys() == {"wq_b", "indexer.wq_b"}
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    for s, y in zip(stacks, ys):
+        scale = None if s.scale is None else getattr(layer, s.scale)
+        opcheck(torch.ops.graphs.mm_beside.default, (qr, getattr(layer, s.weight), scale))
+        opcheck(torch.ops.graphs.join_beside.default, (y,))
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["in-place", "assign"])

@@ -155,16 +155,19 @@ DECODE_KERNELS = 31
 
 
 def test_decode_replay_launches_within_its_budget(replayed):
-    """A batch-1 decode step at 1K tokens, replayed, runs at most ``DECODE_KERNELS`` kernels."""
+    """A batch-1 decode step at 1K tokens, replayed, runs at most ``DECODE_KERNELS`` kernels,
+    on two streams (the cache writes beside the q projection)."""
     from graphs.bench import grow_rows, profile_kernels
 
     runner = replayed["runner"]
     grow_rows(runner, [0], 1024)
     x = torch.randn(1, runner.layer.cfg.dim, device="cuda").to(torch.bfloat16)
     runner.step(x, torch.tensor([1024], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
-    launches = profile_kernels(runner.graphs[runner.bucket_for(1)].replay).count
-    print(f"batch-1 decode replay: {launches} kernels")
+    profile = profile_kernels(runner.graphs[runner.bucket_for(1)].replay)
+    launches = profile.count
+    print(f"batch-1 decode replay: {launches} kernels on {profile.streams} streams")
     assert launches <= DECODE_KERNELS, f"a batch-1 decode replay runs {launches} kernels, over {DECODE_KERNELS}"
+    assert profile.streams == 2, "the cache writes run on their own stream, beside the q projection"
 
 
 def test_v41_cache_formats_replay_passes_the_oracle():
