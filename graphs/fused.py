@@ -15,7 +15,6 @@ it. A GEMM of a few tokens leaves most SMs idle, and small kernels fill them.
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -122,17 +121,21 @@ def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
     """``x [T, in] @ weight [out, in]^T`` -> bf16 ``[T, out]`` (``scale``: an e4m3 weight's
     block scales, :func:`compile_ops.linear.fp8_linear`), on :func:`side_stream` after the
     work queued so far on the current stream; read it after ``graphs::join_beside``."""
-    y = x.new_empty(x.shape[0], weight.shape[0])  # the current stream's: freed there, after the join
     side = side_stream(x.device)
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        x.record_stream(side)  # not handed out again while the side stream reads it
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        if scale is None:
-            torch.mm(x, weight.t(), out=y)
-        else:
-            y.copy_(fp8_linear(x, weight, scale))
+    if side is None:
+        return _product(x, weight, scale)
+    main = torch.cuda.current_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        y = _product(x, weight, scale)
+    # neither block is handed out again while the other stream may still use it
+    x.record_stream(side)
+    y.record_stream(main)
     return y
+
+
+def _product(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
+    return x @ weight.t() if scale is None else fp8_linear(x, weight, scale)
 
 
 @mm_beside.register_fake
