@@ -34,7 +34,7 @@ from compile_ops.linear import quantize_blocks
 from compile_ops.linear.quant import TILE_N
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
-from graphs.fused import StackedRows, columns, join_beside, project, project_beside, side_stream, stack_rows
+from graphs.fused import StackedRows, columns, join_beside, products, project_beside, side_stream, stack_rows
 from graphs.metadata import Geometry, StepInputs, StepRows, derive, step_inputs
 from graphs.plan import LayerPlan, LayerRole
 from graphs.rope import apply_rope_last, layer_inv_freq, rope_heads_, rope_tables
@@ -682,20 +682,23 @@ class DSV41Attention(nn.Module):
         return shared
 
     def _write_caches(self, xs: dict[str, Tensor], inp: StepInputs, cos: Tensor, sin: Tensor,
-                      dtype: torch.dtype) -> None:
+                      dtype: torch.dtype) -> list[Tensor]:
         """Write the step's window kv, and with its own compressor its closed compressed
-        entries and their index keys, from the ``x`` stack's projections ``xs``."""
+        entries and their index keys, from the ``x`` stack's projections ``xs``; returns
+        the caches written."""
         rows, rd = inp.rows, self.rope_dim
         kv = apply_rope_last(self.kv_norm(xs["wkv"].to(dtype)), rd, cos, sin)
         torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
         if self.compressor is None:
-            return
+            return [self.swa_cache]
         latent, _ = self.compressor.latent(xs["compressor"], rows, dtype)
         group_start = rows.pos - rows.pos % self.compress_ratio
         entry = apply_rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
         torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.cmp_kv_format, self.kv_scale)
-        if self.indexer is not None and self.indexer.index_cache is not None:
-            self.indexer.write_keys(xs.get("indexer.compressor"), rows, self.rope_cos, self.rope_sin, inp, latent)
+        if self.indexer is None or self.indexer.index_cache is None:
+            return [self.swa_cache, self.cmp_cache]
+        self.indexer.write_keys(xs.get("indexer.compressor"), rows, self.rope_cos, self.rope_sin, inp, latent)
+        return [self.swa_cache, self.cmp_cache, self.indexer.index_cache]
 
     def forward(self, x: Tensor, inp: StepInputs, shared: Optional[Shared] = None) -> Tensor:
         """One step of ``T`` tokens: ``x [T, dim]`` bf16 -> ``[T, dim]`` bf16 (rows of
@@ -718,13 +721,15 @@ class DSV41Attention(nn.Module):
         valid, pos = rows.valid, rows.pos
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
 
-        xs = project(self, self.stacks["x"], x)
+        x_stacks = products(self, self.stacks["x"], x)
+        xs = columns(self.stacks["x"], x_stacks)
         qr = self.q_norm(xs["wq_a"].to(x.dtype))
         # The q GEMM runs on the side stream while this one writes the caches: neither reads
         # what the other writes, and the GEMM leaves SMs free for the writes' small kernels.
-        q_stacks = project_beside(self, self.stacks["q"], qr)
-        self._write_caches(xs, inp, cos, sin, x.dtype)
-        join_beside(q_stacks)
+        # The writes launch after the GEMM (they read x_stacks) and before the wait.
+        q_stacks = project_beside(self, self.stacks["q"], qr, later=x_stacks)
+        written = self._write_caches(xs, inp, cos, sin, x.dtype)
+        join_beside(q_stacks, written)
         qs = columns(self.stacks["q"], q_stacks)
         if self.cfg.v41:  # V4.1 does not normalise q's heads: turned in place in the projection's output
             q = qs["wq_b"]
