@@ -34,7 +34,7 @@ from compile_ops.linear import quantize_blocks
 from compile_ops.linear.quant import TILE_N
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
-from graphs.fused import StackedRows, columns, join_beside, products, project_beside, side_stream, stack_rows
+from graphs.fused import StackedRows, columns, join_beside, project, project_beside, side_stream, stack_rows
 from graphs.metadata import Geometry, StepInputs, StepRows, derive, step_inputs
 from graphs.plan import LayerPlan, LayerRole
 from graphs.rope import apply_rope_last, layer_inv_freq, rope_heads_, rope_tables
@@ -721,15 +721,12 @@ class DSV41Attention(nn.Module):
         valid, pos = rows.valid, rows.pos
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
 
-        x_stacks = products(self, self.stacks["x"], x)
-        xs = columns(self.stacks["x"], x_stacks)
+        xs = project(self, self.stacks["x"], x)
         qr = self.q_norm(xs["wq_a"].to(x.dtype))
         # The q GEMM runs on the side stream while this one writes the caches: neither reads
         # what the other writes, and the GEMM leaves SMs free for the writes' small kernels.
-        # The writes launch after the GEMM (they read x_stacks) and before the wait.
-        q_stacks = project_beside(self, self.stacks["q"], qr, later=x_stacks)
-        written = self._write_caches(xs, inp, cos, sin, x.dtype)
-        join_beside(q_stacks, written)
+        q_stacks = project_beside(self, self.stacks["q"], qr)
+        join_beside(q_stacks, self._write_caches(xs, inp, cos, sin, x.dtype))
         qs = columns(self.stacks["q"], q_stacks)
         if self.cfg.v41:  # V4.1 does not normalise q's heads: turned in place in the projection's output
             q = qs["wq_b"]

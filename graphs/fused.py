@@ -72,9 +72,9 @@ def columns(stacks: tuple[StackedRows, ...], ys: list[Tensor]) -> dict[str, Tens
     return out
 
 
-def products(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor) -> list[Tensor]:
-    """Each stack's product with ``x [T, in]``: ``[T, sum of widths]``, one GEMM per stack
-    (fp32 for an ``fp32`` stack, else bf16); :func:`columns` names its parts."""
+def project(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor) -> dict[str, Tensor]:
+    """Each stacked projection of ``x [T, in]``: ``{name: [T, width]}``, column views of one
+    GEMM per stack (fp32 for an ``fp32`` stack, else bf16)."""
     ys = []
     for s in stacks:
         weight, scale = _weights(module, s)
@@ -84,26 +84,21 @@ def products(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor
             ys.append(mm_fp32(x, weight))
         else:
             ys.append(x @ weight.t())
-    return ys
+    return columns(stacks, ys)
 
 
-def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor,
-                   later: list[Tensor]) -> list[Tensor]:
+def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor) -> list[Tensor]:
     """Each stack's bf16 product with ``x [T, in]`` (``[T, sum of widths]``), computed on
     the device's side stream (:func:`side_stream`) while the current stream goes on: read
-    them after :func:`join_beside` (then :func:`columns`). Work that reads ``later`` (one
-    tensor or more) after this call launches after the GEMMs, in a compiled program too
-    (``graphs::mm_beside``)."""
-    if not later:
-        raise ValueError("project_beside: later needs a tensor (what the work beside the GEMMs reads)")
-    return [torch.ops.graphs.mm_beside(x, *_weights(module, s), list(later)) for s in stacks]
+    them after :func:`join_beside` (then :func:`columns`)."""
+    return [torch.ops.graphs.mm_beside(x, *_weights(module, s)) for s in stacks]
 
 
 def join_beside(ys: list[Tensor], written: list[Tensor]) -> None:
     """The current stream waits for the side stream's work so far: ``ys``
-    (:func:`project_beside`'s products) may be read after this. Work that writes
-    ``written`` (one tensor or more) before this call launches before the wait, in a
-    compiled program too."""
+    (:func:`project_beside`'s products) may be read after this. The writes of ``written``
+    (one tensor or more) queued before this call launch before the wait, in a compiled
+    program too: a compiler may otherwise move a write that nothing reads yet past it."""
     if not written:
         raise ValueError("join_beside: written needs a tensor (what the work beside the GEMMs writes)")
     for y in ys:
@@ -125,16 +120,11 @@ def side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     return _SIDE_STREAMS[index]
 
 
-@torch.library.custom_op("graphs::mm_beside", mutates_args=("later",))
-def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor], later: list[Tensor]) -> Tensor:
+@torch.library.custom_op("graphs::mm_beside", mutates_args=())
+def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
     """``x [T, in] @ weight [out, in]^T`` -> bf16 ``[T, out]`` (``scale``: an e4m3 weight's
     block scales, :func:`compile_ops.linear.fp8_linear`), on :func:`side_stream` after the
-    work queued so far on the current stream; read it after ``graphs::join_beside``.
-
-    ``later`` are left unchanged, but count as written here, so that a compiler launches
-    the work reading them after this call after it: it would otherwise fuse that work into
-    the kernels before the GEMM (the layer's cache writes, whose inputs are those of the
-    GEMM's own input), and the GEMM would start only after them."""
+    work queued so far on the current stream; read it after ``graphs::join_beside``."""
     side = side_stream(x.device)
     if side is None:
         return _product(x, weight, scale)
@@ -153,14 +143,14 @@ def _product(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
 
 
 @mm_beside.register_fake
-def _(x, weight, scale, later):
+def _(x, weight, scale):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @torch.library.custom_op("graphs::join_beside", mutates_args=("y",))
 def _join_beside(y: Tensor, written: list[Tensor]) -> None:
     # (``y`` counts as written here, so that its readers come after the wait; ``written``
-    # is read, so that its writers come before it)
+    # is read here, so that its writers come before it)
     side = side_stream(y.device)
     if side is not None:
         torch.cuda.current_stream(y.device).wait_stream(side)

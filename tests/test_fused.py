@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphs import TINY, TINY_V41, DSV41Attention
-from graphs.fused import columns, join_beside, products, project_beside
+from graphs.fused import columns, join_beside, project, project_beside
 from test_graphs_fp8 import cache, serve
 from test_opcheck import opcheck
 
@@ -60,7 +60,7 @@ def test_each_input_is_one_gemm_over_views_of_its_weights(index):
     assert layer.stacks["x"][0].fp32 == ("compressor" in x_names)
     assert_stacked(layer)
     x = torch.randn(3, layer.cfg.dim).to(torch.bfloat16)
-    got = columns(layer.stacks["x"], products(layer, layer.stacks["x"], x))
+    got = project(layer, layer.stacks["x"], x)
     for name, w in members(layer)["x_proj_0"]:
         torch.testing.assert_close(got[name].float(), x.float() @ w.float().t(), rtol=1e-2, atol=1e-2)
 
@@ -79,28 +79,23 @@ def test_fp8_weights_stack_where_their_scale_blocks_align():
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
 def test_the_q_projection_beside_equals_the_plain_one(weights):
     """``project_beside`` (the q stack's GEMM, on a side stream on CUDA), joined, gives
-    :func:`products`' columns, leaves ``later`` as it is; its ops' fake kernels match
-    (``opcheck``); without a tensor to order by, each function refuses the call."""
+    ``project``'s columns; its ops' fake kernels match (``opcheck``); a join that names
+    no written tensor is refused."""
     layer = DSV41Attention(V41, CACHE, 2, weights=weights, seed=3)
     qr = torch.randn(3, layer.cfg.q_lora_rank).to(torch.bfloat16)
     stacks = layer.stacks["q"]
-    later = torch.randn(3, 8)
-    held = later.clone()
-    ys = project_beside(layer, stacks, qr, later=[later])
+    ys = project_beside(layer, stacks, qr)
+    with pytest.raises(ValueError, match="written needs a tensor"):
+        join_beside(ys, [])
     join_beside(ys, [layer.swa_cache])
-    want = columns(stacks, products(layer, stacks, qr))
+    want = project(layer, stacks, qr)
     got = columns(stacks, ys)
     assert got.keys() == want.keys() == {"wq_b", "indexer.wq_b"}
     for name in want:
         assert torch.equal(got[name], want[name]), name
-    assert torch.equal(later, held)
-    with pytest.raises(ValueError, match="later needs a tensor"):
-        project_beside(layer, stacks, qr, later=[])
-    with pytest.raises(ValueError, match="written needs a tensor"):
-        join_beside(ys, [])
     for s, y in zip(stacks, ys):
         scale = None if s.scale is None else getattr(layer, s.scale)
-        opcheck(torch.ops.graphs.mm_beside.default, (qr, getattr(layer, s.weight), scale, [later]))
+        opcheck(torch.ops.graphs.mm_beside.default, (qr, getattr(layer, s.weight), scale))
         opcheck(torch.ops.graphs.join_beside.default, (y, [layer.swa_cache]))
 
 
@@ -134,30 +129,3 @@ def test_a_state_dict_holds_each_weight_on_its_own(tmp_path):
     save_file(sd, str(tmp_path / "layer.safetensors"))
     back = load_file(str(tmp_path / "layer.safetensors"))
     assert all(torch.equal(back[k], v) for k, v in sd.items())
-
-
-def test_the_compiled_step_starts_the_q_gemm_right_after_its_input():
-    """The compiled step (V4.1-Flash dims, where Inductor's fusion would otherwise pull the
-    compressor's work ahead) launches the ``q`` GEMM right after ``q``'s norm: the cache
-    writes' work, which reads the same ``x`` projection, comes after it, and every cache
-    write comes before the wait for the GEMM."""
-    from torch._inductor.utils import run_and_get_code
-
-    from graphs import StepRunner
-    from graphs.bench import flash_layer
-
-    layer = flash_layer(2, "cpu", kv_format="fp8_dsv41", max_tokens=16, max_requests=4)
-    runner = StepRunner(layer, (1,), cuda_graphs=False)
-    x = torch.randn(1, layer.cfg.dim).to(torch.bfloat16)
-    _, codes = run_and_get_code(runner.step, x, [0], [0])
-    lines = [ln.strip() for ln in codes[-1].split("def call(", 1)[1].splitlines()]
-    calls = [ln for ln in lines if ln.startswith(("cpp_fused", "triton_", "extern_kernels.", "torch.ops."))
-             or " = torch.ops." in ln]
-
-    def at(name):
-        return [i for i, ln in enumerate(calls) if name in ln]
-
-    x_gemm, beside, join = at("extern_kernels.mm(")[0], at("graphs.mm_beside")[0], at("graphs.join_beside")[0]
-    assert beside - x_gemm == 2, f"only q's norm between the x GEMM and the q GEMM: {calls[x_gemm:beside + 1]}"
-    writes = at("dsv41.write_kv") + at("dsv41.write_index_keys")
-    assert len(writes) == 3 and beside < min(writes) and max(writes) < join, calls

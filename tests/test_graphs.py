@@ -28,7 +28,7 @@ from compile_ops.formats import read_kv
 from compile_ops.indexer.cache import read_index_keys
 from graphs import TINY, TINY_V41, CacheConfig, DSV41Attention, PageAllocator, StepMetadata, StepRunner
 from graphs.bench import pick_matched
-from graphs.fused import columns, products
+from graphs.fused import project
 from graphs.naive import oracle_verdict
 from graphs.schedule import Workload, hidden_states, mixed_workload, run_workload, staggered
 from helpers import examples
@@ -488,7 +488,7 @@ def test_compressor_projection_is_the_fp32_product_and_follows_loaded_weights(ra
         layer.load_state_dict(source.state_dict())
         for comp in (layer.compressor, layer.indexer.compressor):
             assert comp.split.shape[0] == parts_per_weight * 2 * comp.width
-        parts = columns(layer.stacks["x"], products(layer, layer.stacks["x"], x))
+        parts = project(layer, layer.stacks["x"], x)
         for name, comp, want_from in (("compressor", layer.compressor, source.compressor),
                                       ("indexer.compressor", layer.indexer.compressor, source.indexer.compressor)):
             kv, gate = comp.gates(parts[name])
