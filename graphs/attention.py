@@ -682,23 +682,20 @@ class DSV41Attention(nn.Module):
         return shared
 
     def _write_caches(self, xs: dict[str, Tensor], inp: StepInputs, cos: Tensor, sin: Tensor,
-                      dtype: torch.dtype) -> list[Tensor]:
+                      dtype: torch.dtype) -> None:
         """Write the step's window kv, and with its own compressor its closed compressed
-        entries and their index keys, from the ``x`` stack's projections ``xs``; returns
-        the caches written."""
+        entries and their index keys, from the ``x`` stack's projections ``xs``."""
         rows, rd = inp.rows, self.rope_dim
         kv = apply_rope_last(self.kv_norm(xs["wkv"].to(dtype)), rd, cos, sin)
         torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
         if self.compressor is None:
-            return [self.swa_cache]
+            return
         latent, _ = self.compressor.latent(xs["compressor"], rows, dtype)
         group_start = rows.pos - rows.pos % self.compress_ratio
         entry = apply_rope_last(latent, rd, self.rope_cos[group_start], self.rope_sin[group_start])
         torch.ops.dsv41.write_kv(self.cmp_cache, inp.cmp_slots, entry, self.cmp_kv_format, self.kv_scale)
-        if self.indexer is None or self.indexer.index_cache is None:
-            return [self.swa_cache, self.cmp_cache]
-        self.indexer.write_keys(xs.get("indexer.compressor"), rows, self.rope_cos, self.rope_sin, inp, latent)
-        return [self.swa_cache, self.cmp_cache, self.indexer.index_cache]
+        if self.indexer is not None and self.indexer.index_cache is not None:
+            self.indexer.write_keys(xs.get("indexer.compressor"), rows, self.rope_cos, self.rope_sin, inp, latent)
 
     def forward(self, x: Tensor, inp: StepInputs, shared: Optional[Shared] = None) -> Tensor:
         """One step of ``T`` tokens: ``x [T, dim]`` bf16 -> ``[T, dim]`` bf16 (rows of
@@ -726,7 +723,8 @@ class DSV41Attention(nn.Module):
         # The q GEMM runs on the side stream while this one writes the caches: neither reads
         # what the other writes, and the GEMM leaves SMs free for the writes' small kernels.
         q_stacks = project_beside(self, self.stacks["q"], qr)
-        join_beside(q_stacks, self._write_caches(xs, inp, cos, sin, x.dtype))
+        self._write_caches(xs, inp, cos, sin, x.dtype)
+        join_beside(q_stacks)
         qs = columns(self.stacks["q"], q_stacks)
         if self.cfg.v41:  # V4.1 does not normalise q's heads: turned in place in the projection's output
             q = qs["wq_b"]

@@ -125,7 +125,7 @@ class KernelProfile(NamedTuple):
     top: list  # the 8 costliest as (name, us per call)
     names: frozenset  # every kernel's name
     ops: dict  # GPU microseconds per call of the kernels each dsv41 op ran, by op name (none inside a graph)
-    streams: dict  # the CUDA streams each kernel ran on, by kernel name
+    streams: int  # CUDA streams its kernels ran on
 
 
 def profile_kernels(fn: Callable[[], object], iters: int = 5) -> KernelProfile:
@@ -142,17 +142,16 @@ def profile_kernels(fn: Callable[[], object], iters: int = 5) -> KernelProfile:
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     costly = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
     ops: dict[str, float] = {}
-    streams: dict[str, set] = {}
+    streams = set()
     for e in prof.events():  # an op's device time holds the kernels of the ops it calls
         if e.name.startswith("dsv41::") and e.device_type == DeviceType.CPU:
             ops[e.name] = ops.get(e.name, 0.0) + e.device_time_total / iters
         elif e.device_type == DeviceType.CUDA:
-            streams.setdefault(e.name, set()).add(e.device_resource_id)
+            streams.add(e.device_resource_id)
     return KernelProfile(sum(e.self_device_time_total for e in kernels) / iters,
                          round(sum(e.count for e in kernels) / iters),
                          [(e.key[:80], round(e.self_device_time_total / iters, 1)) for e in costly],
-                         frozenset(e.key for e in kernels), ops,
-                         {name: frozenset(ids) for name, ids in streams.items()})
+                         frozenset(e.key for e in kernels), ops, len(streams))
 
 
 def time_page_planning(batches=(1, 64, 256), steps: int = 192, context: int = 1024, *, stagger: bool = False,

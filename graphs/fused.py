@@ -94,15 +94,11 @@ def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: 
     return [torch.ops.graphs.mm_beside(x, *_weights(module, s)) for s in stacks]
 
 
-def join_beside(ys: list[Tensor], written: list[Tensor]) -> None:
+def join_beside(ys: list[Tensor]) -> None:
     """The current stream waits for the side stream's work so far: ``ys``
-    (:func:`project_beside`'s products) may be read after this. The writes of ``written``
-    (one tensor or more) queued before this call launch before the wait, in a compiled
-    program too: a compiler may otherwise move a write that nothing reads yet past it."""
-    if not written:
-        raise ValueError("join_beside: written needs a tensor (what the work beside the GEMMs writes)")
+    (:func:`project_beside`'s products) may be read after this."""
     for y in ys:
-        torch.ops.graphs.join_beside(y, list(written))
+        torch.ops.graphs.join_beside(y)
 
 
 # (outside the modules: a module holding a stream could not be deep-copied)
@@ -148,14 +144,13 @@ def _(x, weight, scale):
 
 
 @torch.library.custom_op("graphs::join_beside", mutates_args=("y",))
-def _join_beside(y: Tensor, written: list[Tensor]) -> None:
-    # (``y`` counts as written here, so that its readers come after the wait; ``written``
-    # is read here, so that its writers come before it)
+def _join_beside(y: Tensor) -> None:
+    # (``y`` counts as written here, so that its readers come after the wait)
     side = side_stream(y.device)
     if side is not None:
         torch.cuda.current_stream(y.device).wait_stream(side)
 
 
 @_join_beside.register_fake
-def _(y, written):
+def _(y):
     return None

@@ -79,15 +79,12 @@ def test_fp8_weights_stack_where_their_scale_blocks_align():
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
 def test_the_q_projection_beside_equals_the_plain_one(weights):
     """``project_beside`` (the q stack's GEMM, on a side stream on CUDA), joined, gives
-    ``project``'s columns; its ops' fake kernels match (``opcheck``); a join that names
-    no written tensor is refused."""
+    ``project``'s columns; its ops' fake kernels match (``opcheck``)."""
     layer = DSV41Attention(V41, CACHE, 2, weights=weights, seed=3)
     qr = torch.randn(3, layer.cfg.q_lora_rank).to(torch.bfloat16)
     stacks = layer.stacks["q"]
     ys = project_beside(layer, stacks, qr)
-    with pytest.raises(ValueError, match="written needs a tensor"):
-        join_beside(ys, [])
-    join_beside(ys, [layer.swa_cache])
+    join_beside(ys)
     want = project(layer, stacks, qr)
     got = columns(stacks, ys)
     assert got.keys() == want.keys() == {"wq_b", "indexer.wq_b"}
@@ -96,7 +93,7 @@ def test_the_q_projection_beside_equals_the_plain_one(weights):
     for s, y in zip(stacks, ys):
         scale = None if s.scale is None else getattr(layer, s.scale)
         opcheck(torch.ops.graphs.mm_beside.default, (qr, getattr(layer, s.weight), scale))
-        opcheck(torch.ops.graphs.join_beside.default, (y, [layer.swa_cache]))
+        opcheck(torch.ops.graphs.join_beside.default, (y,))
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["in-place", "assign"])
