@@ -34,7 +34,8 @@ from compile_ops.linear import quantize_blocks
 from compile_ops.linear.quant import TILE_N
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
-from graphs.fused import StackedRows, columns, join_beside, project, project_beside, side_stream, stack_rows
+from graphs.fused import (StackedRows, columns, join_beside, mm_bf16, project, project_beside, side_stream,
+                          stack_rows)
 from graphs.metadata import Geometry, StepInputs, StepRows, derive, step_inputs
 from graphs.plan import LayerPlan, LayerRole
 from graphs.rope import apply_rope_last, layer_inv_freq, rope_heads_, rope_tables
@@ -797,7 +798,7 @@ class DSV41Attention(nn.Module):
             # column-major, read by wo_b as it lies (no copy back to token-major). (A matmul
             # broadcasting wo_a over tokens would copy the 67 MB weight once per token.)
             flat = torch.bmm(wo_a, o.view(T, groups, -1).permute(1, 2, 0)).view(groups * lora, T).t()
-        y = self.wo_b(flat)
+        y = self.wo_b(flat) if isinstance(self.wo_b, Fp8Linear) else mm_bf16(flat, self.wo_b.weight)
         if self.dcp_group is not None:  # each rank's output groups: the sum is the layer's output
             c10d = torch.ops._c10d_functional
             y = c10d.wait_tensor(c10d.all_reduce(y, "sum", self.dcp_group))

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from compile_ops.linear import fp8_linear
+from compile_ops.linear import bf16_linear, fp8_linear
 
 
 class StackedRows(NamedTuple):
@@ -53,11 +53,18 @@ def stack_rows(tensors: list[Tensor]) -> Tensor:
 
 
 def mm_fp32(x: Tensor, weight: Tensor) -> Tensor:
-    """``x [T, in] @ weight [out, in]^T`` as fp32 ``[T, out]`` with fp32 accumulation (bf16
-    tensor cores on CUDA; CPU torch has no bf16 x bf16 -> fp32 product: the same sum in fp32)."""
+    """``x [T, in] @ weight [out, in]^T`` as fp32 ``[T, out]`` with fp32 accumulation
+    (:func:`compile_ops.bf16_linear` on CUDA: a GEMV at one token, else cuBLAS's bf16 tensor
+    cores; CPU torch has no bf16 x bf16 -> fp32 product: the same sum in fp32)."""
     if x.is_cuda and x.dtype == torch.bfloat16:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return bf16_linear(x, weight, torch.float32)
     return x.float() @ weight.float().t()
+
+
+def mm_bf16(x: Tensor, weight: Tensor) -> Tensor:
+    """``x [T, in] @ weight [out, in]^T`` as bf16 ``[T, out]`` (:func:`compile_ops.bf16_linear`
+    on CUDA: a GEMV at one token)."""
+    return bf16_linear(x, weight) if x.is_cuda else x @ weight.t()
 
 
 def _weights(module: torch.nn.Module, s: StackedRows) -> tuple[Tensor, Optional[Tensor]]:
@@ -83,7 +90,7 @@ def project(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor)
         elif s.fp32:
             ys.append(mm_fp32(x, weight))
         else:
-            ys.append(x @ weight.t())
+            ys.append(mm_bf16(x, weight))
     return columns(stacks, ys)
 
 
@@ -135,7 +142,7 @@ def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
 
 
 def _product(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
-    return x @ weight.t() if scale is None else fp8_linear(x, weight, scale)
+    return mm_bf16(x, weight) if scale is None else fp8_linear(x, weight, scale)
 
 
 @mm_beside.register_fake

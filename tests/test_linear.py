@@ -259,6 +259,13 @@ dequant = {"w": "*fp8e4nv", "w_s": "*u8", "out": "*bf16", "N": "i32", "K": "i32"
            "UPCAST": "constexpr"}
 ptx = build(kernels._dequantize_kernel, dequant, {"BR": 32, "BC": 512, "SB": 32, "UPCAST": False})
 print("dequant32", "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx)
+# the bf16 GEMV of one token: fp32 FMAs on the CUDA cores, into fp32 and bf16 outputs
+bf16_gemv = {"x": "*bf16", "w": "*bf16", "c": "*fp32", "N": "i32", "K": "i32", "stride_xk": "i32", "stride_wn": "i32",
+             "BLOCKS_PER_SPLIT": "i32", "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr",
+             "PARTIAL": "constexpr"}
+for c in ("*fp32", "*bf16"):
+    ptx = build(kernels._bf16_gemv_kernel, {**bf16_gemv, "c": c}, {"BN": 8, "BK": 1024, "ITERS": 0, "PARTIAL": False})
+    print(f"bf16gemv{c[1:]}", "fma.rn.f32" in ptx and "mma" not in ptx)
 """
 
 
@@ -326,7 +333,7 @@ def test_gpu_decode_gemv_reads_every_e4m3_value_exactly(block):
 
 def test_kernel_builds_for_sm90():
     """The launches the GPU runs (GEMM tiles of 16 and 64 rows, both layouts, weight-only
-    tiles, the quantizer, the cuBLAS path's rounding and dequantizer), compiled for
+    tiles, the quantizer, the cuBLAS path's rounding and dequantizer, the bf16 GEMV), compiled for
     sm_90 without a GPU (the weight-only tiles with no e4m3 -> f16 -> bf16 conversions): in a
     process of its own, since the interpreter (TRITON_INTERPRET=1 here) patches Triton's
     language module for the whole process."""
@@ -341,7 +348,8 @@ def test_kernel_builds_for_sm90():
     assert run.stdout.split() == ["16x128", "True", "64x128", "True",
                                   "bf16x128x16", "True", "True", "bf16x32x16", "True", "True", "bf16x32x64", "True", "True", "bf16x32x128", "True", "True",
                                   "gemv128", "True", "gemv32", "True", "quant128", "True", "quant32", "True",
-                                  "rounded32", "True", "dequant32", "True"], run.stdout
+                                  "rounded32", "True", "dequant32", "True", "bf16gemvfp32", "True",
+                                  "bf16gemvbf16", "True"], run.stdout
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -399,3 +407,57 @@ def test_gpu_backends_equal_the_reference(M, N, K, groups, block):
         # summation order and one bf16 rounding, of the row's largest |y|
         worst = ((got - want).abs() / want.abs().amax(-1, keepdim=True)).max().item()
         assert worst <= 2**-7, f"{backend}: {worst:.3e} of the row's max |y|"
+
+
+@pytest.mark.parametrize("N, K, splits", [(64, 64, 1), (40, 1300, 6), (2048, 256, 1), (3000, 512, 1)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bf16_gemv_equals_the_float64_product(N, K, splits, out_dtype):
+    """``dsv41::bf16_linear``'s one-token GEMV (the interpreter) against the float64 product
+    of the bf16 operands: rows and K past whole tiles (masked), K split over programs when
+    the rows give few tiles, a token that is a strided column view (``wo_b``'s input)."""
+    from compile_ops.linear.triton import BF16_GEMV_ROWS, GEMV_PROGRAMS, bf16_gemv_triton, gemv_tile, k_splits
+
+    gen = torch.Generator().manual_seed(N + K)
+    x = torch.randn(K, 3, generator=gen).bfloat16().t()[1:2]  # [1, K], stride 3 along K
+    w = (torch.randn(N, K, generator=gen) / K**0.5).bfloat16()
+    want = x.double() @ w.double().t()
+    got = bf16_gemv_triton(x, w, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (1, N)
+    # fp32 sums; one bf16 rounding (an ulp: the interpreter's cast truncates)
+    bound = (2**-20 if out_dtype == torch.float32 else 2**-7) * want.abs().max()
+    assert ((got.double() - want).abs() <= bound).all()
+    BN, BK = gemv_tile(N, K, BF16_GEMV_ROWS)
+    assert k_splits(1, N, K, BK, BN, GEMV_PROGRAMS, 1) == splits
+
+
+def test_bf16_linear_fake_kernel_schema_and_bad_inputs():
+    """``dsv41::bf16_linear``: its fake kernel and schema (``opcheck``), the product off CUDA
+    in fp32, and inputs it refuses with the reason."""
+    x, w = torch.randn(3, 40).bfloat16(), torch.randn(24, 40).bfloat16()
+    for out_dtype in (torch.bfloat16, torch.float32):
+        opcheck(torch.ops.dsv41.bf16_linear.default, (x, w, out_dtype))
+        got = compile_ops.bf16_linear(x, w, out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, (x.float() @ w.float().t()).to(out_dtype))
+    for args, says in (((x, w[:, :39]), "x must be \\[M, K\\] with K = weight.shape\\[1\\] = 39"),
+                       ((x.float(), w), "x must have dtype torch.bfloat16"),
+                       ((x, w.float()), "weight must have dtype torch.bfloat16"),
+                       ((x, w, torch.float16), "out_dtype must be torch.bfloat16 or torch.float32")):
+        with pytest.raises((ValueError, TypeError), match=says):
+            compile_ops.bf16_linear(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("N, K, out_dtype", [(2848, 5120, torch.float32), (36864, 1280, torch.bfloat16),
+                                             (5120, 8192, torch.bfloat16), (100, 300, torch.bfloat16)],
+                         ids=["x-stack", "qr-stack", "wo_b", "small"])
+def test_gpu_bf16_linear_equals_the_float64_product(M, N, K, out_dtype):
+    """On the GPU, the V4.1-Flash projections' shapes: one token through the GEMV, three
+    through cuBLAS, each against the float64 product of the bf16 operands."""
+    gen = torch.Generator(device="cuda").manual_seed(N)
+    x = torch.randn(M, K, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=gen) / K**0.5).bfloat16()
+    want = x.double() @ w.double().t()
+    got = compile_ops.bf16_linear(x, w, out_dtype)
+    bound = (2**-16 if out_dtype == torch.float32 else 2**-8) * want.abs().max()
+    assert got.dtype == out_dtype and ((got.double() - want).abs() <= bound).all()

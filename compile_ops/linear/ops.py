@@ -1,4 +1,5 @@
-"""``dsv41::fp8_linear``: schema, validation, fake, dispatch to the ``"linear"`` backends.
+"""``dsv41::fp8_linear``: schema, validation, fake, dispatch to the ``"linear"`` backends;
+``dsv41::bf16_linear``, its bf16 counterpart (a GEMV at one token on CUDA, no backend choice).
 
 A backend quantizes the activations of a call of more than its layout's
 ``weight_only_tokens`` tokens (:class:`compile_ops.linear.BlockLayout`) per token per
@@ -90,6 +91,51 @@ Example::
 """
 
 
+def _check_bf16(x, weight, out_dtype):
+    check_tensor("x", x, torch.bfloat16, 2)
+    check_tensor("weight", weight, torch.bfloat16, 2, x.device)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, K] with K = weight.shape[1] = {weight.shape[1]}, got {list(x.shape)}")
+
+
+@torch.library.custom_op("dsv41::bf16_linear", mutates_args=())
+def bf16_linear(x: Tensor, weight: Tensor, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    _check_bf16(x, weight, out_dtype)
+    if x.shape[0] == 1 and backends.cuda_with_triton(x.device, None) is None:
+        from compile_ops.linear.triton import bf16_gemv_triton
+
+        return bf16_gemv_triton(x, weight if weight.stride(1) == 1 else weight.contiguous(), out_dtype)
+    if x.is_cuda:
+        return torch.mm(x, weight.t(), out_dtype=out_dtype)
+    return (x.float() @ weight.float().t()).to(out_dtype)
+
+
+@bf16_linear.register_fake
+def _(x, weight, out_dtype=torch.bfloat16):
+    _check_bf16(x, weight, out_dtype)
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+
+
+bf16_linear.__doc__ = """``x @ weight^T`` of bf16 operands with fp32 accumulation, ``[M, N]`` in
+``out_dtype`` (bf16, or fp32 for a product that must keep its fp32 sum).
+
+``x [M, K]`` bf16 (any strides), ``weight [N, K]`` bf16. On a CUDA GPU a one-token call
+(``M = 1``, a decode step's projection) is a GEMV on the CUDA cores (Triton, tiles of
+eight weight rows): cuBLAS's GEMMs of one token read their weight below the bandwidth
+(``docs/performance-decode.md``); any other call is cuBLAS's GEMM (``torch.mm``). Off CUDA
+the product is computed in fp32. Shapes follow the inputs only; no host sync.
+
+Example::
+
+    >>> import torch
+    >>> from compile_ops.linear import bf16_linear
+    >>> bf16_linear(torch.ones(1, 4).bfloat16(), torch.eye(3, 4).bfloat16(), torch.float32).tolist()
+    [[1.0, 1.0, 1.0]]
+"""
+
+
 backends.register_backend("linear", "scaled_mm", backends.imported("compile_ops.linear.scaled_mm", "available"),
                           {"fp8_linear": backends.imported("compile_ops.linear.scaled_mm", "fp8_linear_scaled_mm")},
                           limits=backends.imported("compile_ops.linear.scaled_mm", "limits"))
@@ -97,5 +143,5 @@ backends.register_backend("linear", "triton", backends.cuda_with_triton,
                           {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
 backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})
 
-__all__ = ["BLOCK", "LAYOUTS", "BlockLayout", "dequantize_blocks", "fp8_linear", "layout_of_block", "layout_of_scale",
-           "quantize_blocks", "quantize_tokens"]
+__all__ = ["BLOCK", "LAYOUTS", "BlockLayout", "bf16_linear", "dequantize_blocks", "fp8_linear", "layout_of_block",
+           "layout_of_scale", "quantize_blocks", "quantize_tokens"]

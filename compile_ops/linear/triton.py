@@ -43,6 +43,9 @@ QUANT_ROWS = 16  # token rows per program of the quantizer
 # from two tokens on the MMA path is faster (docs/performance-decode.md has the sweep)
 GEMV_TOKENS = 1
 GEMV_PROGRAMS = 3 * TARGET_PROGRAMS // 2  # three per SM
+# a bf16 weight row is twice an e4m3 one: the bf16 GEMV's tiles hold 8 rows at most (the
+# best of an H100 sweep of 8-32 rows, 512-1024 wide K steps, 1-4 splits, 4-8 warps)
+BF16_GEMV_ROWS = 8
 # 32-blocks past their weight-only calls: the weight dequantized to bf16 once and the tokens
 # rounded to their e4m3 values, both exact in bf16, so cuBLAS's bf16 product is the op's;
 # the block-scaled MMA path rescales its accumulator every 32 of K, which keeps the tensor
@@ -229,6 +232,50 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
+def _bf16_gemv_kernel(x, w, c, N, K, stride_xk, stride_wn, BLOCKS_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr,
+                      ITERS: tl.constexpr, PARTIAL: tl.constexpr):
+    # program (n, s): one token's outputs of weight rows n * BN .., over split s of the BK
+    # steps of K, on the CUDA cores (fp32 FMAs); each thread's 16 consecutive products are
+    # summed in registers, as in _fp8_gemv_kernel
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    m_n = o_n < N
+    acc = tl.zeros([BN, BK // 16], tl.float32)
+    first = i_s * BLOCKS_PER_SPLIT
+    for j in range(0, ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)):
+        k = (first + j) * BK + o_k
+        m_k = k < K
+        xs = tl.load(x + k.to(tl.int64) * stride_xk, mask=m_k, other=0.0).to(tl.float32)
+        t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=m_n[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        acc += tl.sum(tl.reshape(t_w * xs[None, :], [BN, BK // 16, 16]), axis=2)
+    y = tl.sum(acc, axis=1)
+    if PARTIAL:
+        tl.store(c + i_s.to(tl.int64) * N + o_n, y, mask=m_n)
+    else:
+        tl.store(c + o_n, y.to(c.dtype.element_ty), mask=m_n)
+
+
+def bf16_gemv_triton(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``out_dtype`` ``[1, N]`` of one bf16 token ``x [1, K]`` (any strides) times a bf16
+    ``weight [N, K]`` (rows contiguous) transposed, fp32 accumulation: the tiles of
+    :func:`gemv_tile` (8-row tiles and 1024-wide K steps for the V4.1-Flash projections),
+    K split over programs (fp32 partials summed in split order) when the rows give fewer
+    than :data:`GEMV_PROGRAMS` tiles."""
+    N, K = weight.shape
+    out = torch.empty(1, N, dtype=out_dtype, device=x.device)
+    BN, BK = gemv_tile(N, K, BF16_GEMV_ROWS)
+    splits = k_splits(1, N, K, BK, BN, GEMV_PROGRAMS, 1)
+    per_split = triton.cdiv(triton.cdiv(K, BK), splits)
+    target = _split_target(splits, 1, N, out)
+    launchable(_bf16_gemv_kernel, x)[(triton.cdiv(N, BN), splits)](
+        x, weight, target, N, K, x.stride(1), weight.stride(0), per_split, BN=BN, BK=BK,
+        ITERS=per_split if INTERPRET else 0, PARTIAL=splits > 1, num_warps=4)
+    return _sum_splits(target, out)
+
+
+@triton.jit
 def _dequantize_kernel(w, w_s, out, N, K, stride_wn, stride_sn, stride_on, BR: tl.constexpr, BC: tl.constexpr,
                        SB: tl.constexpr, UPCAST: tl.constexpr):
     # program (r, c): weight rows r * BR .. and columns c * BC .. times their ue8m0 block
@@ -265,15 +312,15 @@ def _sum_splits_kernel(partials, c, MN, SPLITS: tl.constexpr, BLOCK_SIZE: tl.con
     acc = tl.zeros([BLOCK_SIZE], tl.float32)
     for s in tl.static_range(SPLITS):
         acc += tl.load(partials + s * MN + o, mask=m, other=0.0)
-    tl.store(c + o, acc.to(tl.bfloat16), mask=m)
+    tl.store(c + o, acc.to(c.dtype.element_ty), mask=m)
 
 
-def gemv_tile(N: int, K: int) -> tuple[int, int]:
+def gemv_tile(N: int, K: int, rows: int = 32) -> tuple[int, int]:
     """``(BN, BK)`` of a call of :data:`GEMV_TOKENS` tokens, the best of H200 sweeps
-    (``docs/performance-decode.md``): weight rows per program, the most up to 32 that leave
-    :data:`GEMV_PROGRAMS` programs per token; K per step, the widest of 1024 / 512 / 256
-    that divides K (a partial last step idles lanes on every row)."""
-    BN = 32
+    (``docs/performance-decode.md``): weight rows per program, the most up to ``rows`` that
+    leave :data:`GEMV_PROGRAMS` programs per token; K per step, the widest of 1024 / 512 /
+    256 that divides K (a partial last step idles lanes on every row)."""
+    BN = rows
     while BN > 4 and triton.cdiv(N, BN) < GEMV_PROGRAMS:
         BN //= 2
     BK = next((bk for bk in (1024, 512) if K % bk == 0), 256)
