@@ -127,6 +127,23 @@ def check_fp8_linear(block: int, M: int, gen: torch.Generator, device) -> Row:
     return Row(f"fp8_linear[{block}x{block} {layout}]", backend, f"M={M} N={N} K={K} groups={G}", error, tolerance)
 
 
+def check_bf16_linear(M: int, out_dtype: torch.dtype, gen: torch.Generator, device) -> Row:
+    """``bf16_linear`` (``M`` tokens: one is the GEMV on a CUDA GPU) against the float64
+    product of its bf16 operands."""
+    from compile_ops.linear import bf16_linear
+
+    N, K = 200, 1300
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    w = (torch.randn(N, K, generator=gen) / K**0.5).bfloat16()
+    got = bf16_linear(x.to(device), w.to(device), out_dtype).cpu().double()
+    want = x.double() @ w.double().t()
+    error = ((got - want).abs() / want.abs().amax(-1, keepdim=True)).max().item()
+    path = "triton" if M == 1 and compile_ops.backends.cuda_with_triton(torch.device(device), None) is None else "torch"
+    # one rounding to the output (2**-8 of the row's largest value in bf16), fp32 sums
+    tolerance = 2.0**-8 + 1e-5 if out_dtype == torch.bfloat16 else 1e-5
+    return Row(f"bf16_linear[{str(out_dtype).split('.')[-1]} out]", path, f"M={M} N={N} K={K}", error, tolerance)
+
+
 def check_writes(gen: torch.Generator, device) -> list[Row]:
     """``write_kv`` in every format and ``write_index_keys`` in both: rows written at shuffled
     slots (``-1`` and out-of-range ones skipped) read back within the format's rounding of
@@ -425,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [check_indexer_topk(f, gen, device) for f in ("bf16", "fp8")]
         rows += [row for f in ("bf16", "fp8") for row in check_indexer_candidates(f, gen, device)]
         rows += [check_fp8_linear(block, M, gen, device) for block in (128, 32) for M in (5, 20)]
+        rows += [check_bf16_linear(M, dt, gen, device) for M in (1, 3) for dt in (torch.bfloat16, torch.float32)]
         rows += check_slots(gen, device)
         rows.append(check_lse_combine(gen, device))
         if not args.no_dcp:

@@ -142,7 +142,9 @@ def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
 
 
 def _product(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
-    return mm_bf16(x, weight) if scale is None else fp8_linear(x, weight, scale)
+    # bf16: cuBLAS's GEMM even at one token, not bf16_linear's GEMV, whose programs fill
+    # every SM: the small kernels queued beside it would wait for them
+    return x @ weight.t() if scale is None else fp8_linear(x, weight, scale)
 
 
 @mm_beside.register_fake
