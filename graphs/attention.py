@@ -306,8 +306,9 @@ class Indexer(nn.Module):
             key = key @ self.rotation
         else:
             group_start = rows.pos - rows.pos % self.ratio
-            key = apply_rope_last(self.k_norm(self.wk(latent)), self.rope_dim, cos_table[group_start],
-                                  sin_table[group_start])
+            # (a one-token GEMV on CUDA: cuBLAS's small GEMM launch costs more than it reads)
+            key = self.k_norm(mm_bf16(latent, self.wk.weight))
+            key = apply_rope_last(key, self.rope_dim, cos_table[group_start], sin_table[group_start])
         # written where the compressed entry of the same group is (inp.cmp_slots, -1 if none)
         torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key, self.index_format)
 
@@ -759,9 +760,8 @@ class DSV41Attention(nn.Module):
                 topk = torch.where(ids < rows.n_entries.unsqueeze(1), ids, -1)
             else:
                 topk = shared.topk
-            if self.topk_ids is not None:
+            if self.topk_ids is not None:  # (a copy that no kernel below waits for)
                 self.topk_ids[:T].copy_(topk)
-                topk = self.topk_ids[:T]
             if self.dcp_group is None:
                 cmp_idx, cmp_lens = torch.ops.dsv41.topk_to_slots(
                     topk, inp.token_to_req, inp.cmp_block_table, cache.block_size(self.compress_ratio), valid
