@@ -760,7 +760,7 @@ class DSV41Attention(nn.Module):
                 topk = torch.where(ids < rows.n_entries.unsqueeze(1), ids, -1)
             else:
                 topk = shared.topk
-            if self.topk_ids is not None:  # (a copy that no kernel below waits for)
+            if self.topk_ids is not None:  # (the slot conversion reads the op's own output, not this copy)
                 self.topk_ids[:T].copy_(topk)
             if self.dcp_group is None:
                 cmp_idx, cmp_lens = torch.ops.dsv41.topk_to_slots(
