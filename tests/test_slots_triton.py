@@ -35,7 +35,8 @@ TOPK_CASES = {
 
 def make_topk_problem(T, K, R, B, block_size, what, seed):
     """Ids in ``[-3, B * block_size + 6)`` (negative and beyond the table), ~20% negative
-    table entries, requests outside ``[0, R)``, some ``is_valid`` False."""
+    table entries, requests outside ``[0, R)``, some ``is_valid`` False; ``"strided"``: ids
+    and the token mask as strided views."""
     gen = torch.Generator().manual_seed(seed)
     hi = max(B * block_size, 1) + 6
     if what == "strided":
@@ -46,6 +47,8 @@ def make_topk_problem(T, K, R, B, block_size, what, seed):
     table = torch.where(torch.rand(R, B, generator=gen) < 0.2, -1, table)
     token_to_req = torch.randint(-1, R + 1, (T,), generator=gen, dtype=I32)
     is_valid = torch.rand(T, generator=gen) > 0.2
+    if what == "strided":  # the token mask a strided view too (every other bool of a pair)
+        is_valid = torch.stack([is_valid, ~is_valid], 1)[:, 0]
     if what == "invalid":
         is_valid[:] = False
     on = lambda t: t.to(DEVICE)  # noqa: E731

@@ -121,7 +121,7 @@ def _launch_topk(topk, token_to_req, block_table, block_size, is_valid, rank, wo
     BLOCK, num_warps = _block(K, block)
     launchable(_topk_to_slots_kernel, topk)[(T,)](
         topk, topk.stride(0), topk.stride(1),
-        token_to_req.contiguous(), is_valid,
+        token_to_req.contiguous(), is_valid.contiguous(),  # (bool: read as the bytes it is)
         block_table, block_table.stride(0), block_table.stride(1),
         slots, lens,
         K, R, B, block_size, rank, world, interleave,
