@@ -81,17 +81,21 @@ def columns(stacks: tuple[StackedRows, ...], ys: list[Tensor]) -> dict[str, Tens
 
 def project(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor) -> dict[str, Tensor]:
     """Each stacked projection of ``x [T, in]``: ``{name: [T, width]}``, column views of one
-    GEMM per stack (fp32 for an ``fp32`` stack, else bf16)."""
-    ys = []
-    for s in stacks:
-        weight, scale = _weights(module, s)
-        if scale is not None:
-            ys.append(fp8_linear(x, weight, scale))
-        elif s.fp32:
-            ys.append(mm_fp32(x, weight))
-        else:
-            ys.append(mm_bf16(x, weight))
+    GEMM per stack (fp32 for an ``fp32`` stack, else bf16). Several stacks (an FP8 layer's
+    bf16 and FP8 weights of ``x``) run side by side (``graphs::mm_side_by_side``): a decode
+    step's GEMVs of a few MB each leave most of the bandwidth idle on their own."""
+    weights = [_weights(module, s) for s in stacks]
+    if len(stacks) == 1:
+        return columns(stacks, [_stack_product(x, *weights[0], stacks[0].fp32)])
+    ys = torch.ops.graphs.mm_side_by_side(x, [w for w, _ in weights], [s for _, s in weights],
+                                          [s.fp32 for s in stacks])
     return columns(stacks, ys)
+
+
+def _stack_product(x: Tensor, weight: Tensor, scale: Optional[Tensor], fp32: bool) -> Tensor:
+    if scale is not None:
+        return fp8_linear(x, weight, scale)
+    return mm_fp32(x, weight) if fp32 else mm_bf16(x, weight)
 
 
 def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor) -> list[Tensor]:
@@ -150,6 +154,36 @@ def _product(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
 @mm_beside.register_fake
 def _(x, weight, scale):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("graphs::mm_side_by_side", mutates_args=())
+def mm_side_by_side(x: Tensor, weights: list[Tensor], scales: list[Optional[Tensor]],
+                    fp32: list[bool]) -> list[Tensor]:
+    """Each ``x [T, in] @ weights[i] [out_i, in]^T`` -> ``[T, out_i]`` (fp32 where ``fp32[i]``,
+    a bf16 weight only; else bf16; ``scales[i]``: an e4m3 weight's block scales): the last
+    on the current stream, the others on :func:`side_stream` beside it; the current stream
+    waits for them before the op returns. Inside one op, so that the compiler cannot queue
+    the last product before the others' launch."""
+    side = side_stream(x.device)
+    if side is None:
+        return [_stack_product(x, w, s, f) for w, s, f in zip(weights, scales, fp32)]
+    main = torch.cuda.current_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        ys = [_stack_product(x, w, s, f) for w, s, f in zip(weights[:-1], scales[:-1], fp32[:-1])]
+    ys.append(_stack_product(x, weights[-1], scales[-1], fp32[-1]))
+    main.wait_stream(side)
+    # neither block is handed out again while the other stream may still use it
+    x.record_stream(side)
+    for y in ys[:-1]:
+        y.record_stream(main)
+    return ys
+
+
+@mm_side_by_side.register_fake
+def _(x, weights, scales, fp32):
+    return [x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if f else torch.bfloat16)
+            for w, f in zip(weights, fp32)]
 
 
 @torch.library.custom_op("graphs::join_beside", mutates_args=("y",))

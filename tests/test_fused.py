@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from graphs import TINY, TINY_V41, DSV41Attention
+from compile_ops.linear import fp8_linear
 from graphs.fused import columns, join_beside, project, project_beside
 from test_graphs_fp8 import cache, serve
 from test_opcheck import opcheck
@@ -94,6 +95,29 @@ def test_the_q_projection_beside_equals_the_plain_one(weights):
         scale = None if s.scale is None else getattr(layer, s.scale)
         opcheck(torch.ops.graphs.mm_beside.default, (qr, getattr(layer, s.weight), scale))
         opcheck(torch.ops.graphs.join_beside.default, (y,))
+
+
+def test_an_fp8_layers_x_stacks_run_side_by_side():
+    """An FP8 layer's ``x`` projections are a bf16 stack (the compressor's, fp32) and FP8
+    ones: ``project`` runs them in one op (``graphs::mm_side_by_side``, the last on the
+    current stream, the others beside it on CUDA), whose products equal each stack's own
+    GEMM; its fake kernel matches (``opcheck``)."""
+    layer = DSV41Attention(V41, CACHE, 2, weights="fp8", seed=3)
+    stacks = layer.stacks["x"]
+    assert len(stacks) > 1 and stacks[0].scale is None and stacks[0].fp32
+    x = torch.randn(3, layer.cfg.dim).to(torch.bfloat16)
+    got = project(layer, stacks, x)
+    assert got.keys() == {"wq_a", "wkv", "compressor", "indexer.weights_proj"}
+    args = (x, [getattr(layer, s.weight) for s in stacks],
+            [None if s.scale is None else getattr(layer, s.scale) for s in stacks], [s.fp32 for s in stacks])
+    ys = torch.ops.graphs.mm_side_by_side(*args)
+    assert [y.dtype for y in ys] == [torch.float32] + [torch.bfloat16] * (len(stacks) - 1)
+    for s, y, w, scale in zip(stacks, ys, args[1], args[2]):
+        alone = (x.float() @ w.float().t() if scale is None
+                 else fp8_linear(x, w, scale))
+        assert torch.equal(y, alone), s.names
+    assert torch.equal(got["compressor"], ys[0][:, :stacks[0].widths[0]])
+    opcheck(torch.ops.graphs.mm_side_by_side.default, args)
 
 
 @pytest.mark.parametrize("assign", [False, True], ids=["in-place", "assign"])

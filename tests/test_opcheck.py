@@ -18,7 +18,8 @@ def opcheck(op, args):
     """opcheck with all default checks; test_schema is left out when an argument is float8,
     since its mutation check calls torch.allclose, which CPU float8 lacks (a torch limit).
     For those cases the caller's inputs are compared bytewise instead."""
-    fp8 = [a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn]
+    flat = [b for a in args for b in (a if isinstance(a, (list, tuple)) else [a])]  # lists of tensors too
+    fp8 = [a for a in flat if isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn]
     before = [a.view(torch.uint8).clone() for a in fp8]
     checks = ALL_CHECKS[1:] if fp8 else ALL_CHECKS
     result = torch.library.opcheck(op, args, test_utils=checks)
