@@ -33,7 +33,7 @@ def _store_rows_kernel(
     cache, s_page, values, s_v, slots, s_s, n_slots, page_size, kv_scale,
     MODE: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, QB: tl.constexpr, NB: tl.constexpr,
     NB_PAD: tl.constexpr, DATA: tl.constexpr, SCALE: tl.constexpr, FP32_SCALE: tl.constexpr,
-    E4M3_SCALE: tl.constexpr = False,
+    E4M3_SCALE: tl.constexpr,
 ):
     """Row ``i``: ``values[i, :D]`` quantized into slot ``slots[i]`` (nothing where it is
     ``-1`` or out of range). ``RAW``: the values as the cache's dtype; ``TENSOR_SCALED``:
@@ -102,23 +102,24 @@ def _store_rows_kernel(
 
 
 def _layout(fmt: Union[KVFormat, IndexFormat]) -> dict:
-    """The kernel's compile-time description of ``fmt``'s row."""
+    """The kernel's compile-time description of ``fmt``'s row: every constexpr, since
+    Inductor, when it traces the launch, passes only the arguments given (no defaults)."""
     if fmt.fp4:
         return dict(MODE=FP4, D=2 * fmt.data_bytes, NOPE=0, QB=fmt.block, NB=fmt.scale_bytes, NB_PAD=fmt.scale_bytes,
                     DATA=fmt.data_bytes, SCALE=fmt.scale_bytes, FP32_SCALE=False, E4M3_SCALE=isinstance(fmt, KVFormat))
     if isinstance(fmt, IndexFormat):
         if not fmt.fp8:
             return dict(MODE=RAW, D=fmt.row_width, NOPE=0, QB=1, NB=1, NB_PAD=1, DATA=fmt.row_width, SCALE=0,
-                        FP32_SCALE=False)
+                        FP32_SCALE=False, E4M3_SCALE=False)
         return dict(MODE=BLOCK_SCALED, D=fmt.data_bytes, NOPE=fmt.data_bytes, QB=fmt.data_bytes, NB=1, NB_PAD=1,
-                    DATA=fmt.data_bytes, SCALE=fmt.scale_bytes, FP32_SCALE=True)
+                    DATA=fmt.data_bytes, SCALE=fmt.scale_bytes, FP32_SCALE=True, E4M3_SCALE=False)
     if fmt.nope == 0 or fmt.tensor_scaled:
         return dict(MODE=RAW if fmt.nope == 0 else TENSOR_SCALED, D=fmt.row_width, NOPE=0, QB=1, NB=1, NB_PAD=1,
-                    DATA=fmt.row_width, SCALE=0, FP32_SCALE=False)
+                    DATA=fmt.row_width, SCALE=0, FP32_SCALE=False, E4M3_SCALE=False)
     nb = fmt.nope // fmt.block
     return dict(MODE=BLOCK_SCALED, D=512, NOPE=fmt.nope, QB=fmt.block, NB=nb,
                 NB_PAD=triton.next_power_of_2(max(nb, fmt.scale_bytes)), DATA=fmt.data_bytes,
-                SCALE=fmt.scale_bytes, FP32_SCALE=False)
+                SCALE=fmt.scale_bytes, FP32_SCALE=False, E4M3_SCALE=False)
 
 
 def write_rows_triton(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
