@@ -289,8 +289,14 @@ class StepRunner:
         size = self.bucket_for(n)
         self._stage(turn, size, positions, token_to_req)
         if not in_place:
-            # a later piece's rows lie past the largest bucket, so they never overlap x[:n]
-            self.input(n).copy_(x, non_blocking=True)
+            # A kernel's copy (times one: exact), not the copy engine's, whose start and end
+            # add several microseconds of latency on the device between the kernels around
+            # it. A later piece's rows lie past the largest bucket, so they never overlap x[:n].
+            rows = self.input(n)
+            if x.device == rows.device:
+                torch.mul(x, 1, out=rows)
+            else:
+                rows.copy_(x, non_blocking=True)
         if self.cuda_graphs:
             self.graphs[size].replay()
             return self.outputs[size] if n == size else self.outputs[size][:n]
@@ -320,12 +326,16 @@ class StepRunner:
                token_to_req: list[int] | np.ndarray) -> None:
         """Copy the step's ``[n]`` integers, padded to the bucket's ``size`` (position
         ``-1``, request row 0), into the layer's metadata through the staging ring's buffer
-        ``i`` (:meth:`StepMetadata.update_padded`)."""
+        ``i`` (:meth:`StepMetadata.update_padded`); a one-token step's as two fills
+        (:meth:`StepMetadata.update_one`)."""
         copied, host, n = self._staged_copied[i], self._staged_host[i], len(positions)
-        host[0, :n], host[1, :n] = positions, token_to_req
-        if n < size:
-            host[0, n:size], host[1, n:size] = -1, 0
-        self.meta.update_padded(self._staged[i])
+        if size == 1:
+            self.meta.update_one(int(positions[0]), int(token_to_req[0]))
+        else:
+            host[0, :n], host[1, :n] = positions, token_to_req
+            if n < size:
+                host[0, n:size], host[1, n:size] = -1, 0
+            self.meta.update_padded(self._staged[i])
         if copied is not None:
             copied.record(torch.cuda.current_stream(self._device_index))  # an index: cheaper than a device
 

@@ -278,6 +278,18 @@ def test_update_padded_copies_a_staged_block():
             meta.update_padded(bad)
 
 
+def test_update_one_sets_a_one_token_step():
+    """``update_one(position, row)``: the first column of the integers a one-token bucket
+    reads, as ``update`` sets it, the other columns untouched."""
+    meta = StepMetadata.for_layer(make_layer(2))
+    meta.update(i32(9, 10, 11), i32(2, 0, 1))
+    meta.update_one(77, 3)
+    assert meta.ints[:, :3].tolist() == [[77, 10, 11], [3, 0, 1]]
+    want = StepMetadata.for_layer(make_layer(2))
+    want.update(i32(77), i32(3), bucket=1)
+    assert torch.equal(meta.ints[:, :1], want.ints[:, :1])
+
+
 def test_padding_rows_write_nothing():
     layer = make_layer(2)
     meta = StepMetadata.for_layer(layer)
