@@ -55,7 +55,8 @@ def _store_rows_kernel(
         tl.store(base + off * D + o_d, to_bf16(tl.load(row + o_d).to(tl.float32)), mask=_slot_ok(given, n_slots, o_d))
     elif MODE == 1:
         o_d = tl.arange(0, D)
-        x = tl.math.div_rn(tl.load(row + o_d).to(tl.float32), kv_scale)
+        # (fp32 as eagerly: Inductor, tracing the launch, passes the float as fp64)
+        x = tl.math.div_rn(tl.load(row + o_d).to(tl.float32), tl.cast(kv_scale, tl.float32))
         tl.store(base + off * D + o_d, to_e4m3(x), mask=_slot_ok(given, n_slots, o_d))
     elif MODE == 3:
         o_b = tl.arange(0, NB)
