@@ -6,6 +6,8 @@ On CPU the kernel runs under ``TRITON_INTERPRET=1`` (set by conftest.py); on a G
 Stores are bytes: every case must match the reference exactly.
 """
 
+import inspect
+
 import pytest
 import torch
 
@@ -63,3 +65,14 @@ def test_write_index_rows(index_format):
     write_rows_triton(cache, slots, values, fmt)
     write_values_reference(want, slots, values, fmt)
     assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", [*KV_FORMATS.values(), *INDEX_FORMATS.values()], ids=lambda f: f.name)
+def test_the_row_store_launch_names_every_constexpr(fmt):
+    """Inductor, tracing the launch (``torch.compile`` of ``write_kv`` on CUDA, the
+    lowering), passes the kernel only the arguments given, no defaults: the launch names
+    every constexpr of the row store, for every format."""
+    from compile_ops.kv.triton import _layout, _store_rows_kernel
+
+    params = inspect.signature(_store_rows_kernel.fn).parameters.values()  # (JIT or interpreted)
+    assert set(_layout(fmt)) == {p.name for p in params if "constexpr" in str(p.annotation)}
