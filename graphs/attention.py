@@ -26,9 +26,11 @@ import torch
 from torch import Tensor, nn
 
 import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
-from compile_ops._checks import check_device
-from compile_ops.formats import new_cache
+from compile_ops._checks import check_device, check_tensor
+from compile_ops.formats import HEAD_DIM, new_cache
 from compile_ops.indexer.cache import INDEX_DIM, new_index_cache
+from compile_ops.indexer.ops import check_index_write
+from compile_ops.kv.ops import check_kv_write
 from compile_ops.dcp import all_gather_heads
 from compile_ops.linear import quantize_blocks
 from compile_ops.linear.quant import TILE_N
@@ -82,8 +84,14 @@ def _check_same_config(dcp_group: str, cfg: AttentionConfig, cache: CacheConfig,
                              + ", ".join(f"{k} = {theirs.get(k)!r} vs {every[0].get(k)!r}" for k in differ))
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim in fp32, returned in ``x``'s dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """``x * rsqrt(mean(x^2) + eps) * weight`` in fp32, returned in ``x``'s dtype."""
+    """:func:`rms_norm` with a learned fp32 ``weight [dim]``."""
 
     def __init__(self, dim: int, eps: float, device=None) -> None:
         super().__init__()
@@ -91,8 +99,68 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def turned_rows(values: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    """``values [N, W]`` as bf16, RMS-normalised (:func:`rms_norm`), the last ``2P`` dims of
+    each row turned by its ``cos, sin [N, P]`` (:func:`graphs.rope.apply_rope_last`): a
+    layer's window kv and DeepSeek-V4.1's index keys before they are stored."""
+    return apply_rope_last(rms_norm(values.to(torch.bfloat16), weight, eps), 2 * cos.shape[1], cos, sin)
+
+
+@torch.library.custom_op("graphs::write_turned", mutates_args=("cache",))
+def write_turned(cache: Tensor, slots: Tensor, values: Tensor, fmt: str, kv_scale: float, weight: Tensor, eps: float,
+                 cos: Tensor, sin: Tensor) -> None:
+    """Store :func:`turned_rows` of ``values`` at ``slots`` of ``cache``: ``dsv41::write_kv``
+    (``values [N, 512]``, ``fmt`` a KV format, ``kv_scale``) or ``dsv41::write_index_keys``
+    (``values [N, 128]``, ``fmt`` an index format; ``kv_scale`` unused) of those rows, the
+    same bytes up to the fp32 rounding of the norm's sum. ``values``: any float dtype, rows
+    of any stride (a column slice of a projection's output); ``weight [W]`` fp32; ``cos,
+    sin [N, P]`` fp32. On CUDA one Triton launch normalises, turns, quantizes and stores
+    each row (:func:`compile_ops.kv.triton.write_rows_triton`), where the unfused rows
+    cost a norm kernel, a RoPE kernel and the store."""
+    layout, index_keys = _check_turned(cache, slots, values, fmt, kv_scale, weight, cos, sin)
+    if not cache.is_cuda:
+        rows = turned_rows(values, weight, eps, cos, sin)
+        if index_keys:
+            torch.ops.dsv41.write_index_keys(cache, slots, rows, fmt)
+        else:
+            torch.ops.dsv41.write_kv(cache, slots, rows, fmt, kv_scale)
+    elif cache.shape[0] * cache.shape[1] and slots.shape[0]:
+        from compile_ops.kv.triton import write_rows_triton
+
+        write_rows_triton(cache, slots, values, layout, kv_scale, turn=(weight, eps, cos, sin))
+
+
+@write_turned.register_fake
+def _(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin):
+    _check_turned(cache, slots, values, fmt, kv_scale, weight, cos, sin)
+
+
+def _check_turned(cache, slots, values, fmt, kv_scale, weight, cos, sin):
+    """:func:`write_turned`'s checks: the store's own (``dsv41::write_kv`` or
+    ``write_index_keys``, by ``values``' width), then the norm's and the rotation's.
+    Returns ``(the cache's format, whether values are index keys)``."""
+    check_tensor("values", values, (torch.bfloat16, torch.float16, torch.float32), 2, cache.device)
+    width = values.shape[1]
+    if width not in (HEAD_DIM, INDEX_DIM):
+        raise ValueError(f"values must be KV rows [N, {HEAD_DIM}] or index keys [N, {INDEX_DIM}], got {list(values.shape)}")
+    index_keys = width == INDEX_DIM
+    layout = (check_index_write(cache, slots, values, fmt) if index_keys
+              else check_kv_write(cache, slots, values, fmt, kv_scale))
+    check_tensor("weight", weight, torch.float32, 1, cache.device)
+    if weight.shape[0] != width or weight.stride(0) != 1:
+        raise ValueError(f"weight must be [{width}] (values' width) with unit stride, got {list(weight.shape)} "
+                         f"stride {weight.stride()}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, torch.float32, 2, cache.device)
+        if t.shape[0] != values.shape[0] or not 0 < 2 * t.shape[1] <= width or t.stride(1) != 1:
+            raise ValueError(f"{name} must be [N, P] with N = {values.shape[0]} rows, 0 < 2P <= {width} and unit "
+                             f"column stride, got {list(t.shape)} stride {t.stride()}")
+    if cos.stride() != sin.stride():
+        raise ValueError(f"cos and sin must have the same strides, got {cos.stride()} and {sin.stride()}")
+    return layout, index_keys
 
 
 Stats = tuple[Tensor, Tensor, Tensor]
@@ -301,16 +369,15 @@ class Indexer(nn.Module):
         """Write this step's closed entries' index keys into ``index_cache`` (kv sources only):
         V4's from its own compressor's ``parts`` (:meth:`Compressor.gates`), V4.1's from the
         layer compressor's ``latent``."""
+        # written where the compressed entry of the same group is (inp.cmp_slots, -1 if none)
         if self.compressor is not None:
             key, _ = self.compressor(parts, rows, cos_table, sin_table, torch.bfloat16)
-            key = key @ self.rotation
-        else:
-            group_start = rows.pos - rows.pos % self.ratio
-            # (a one-token GEMV on CUDA: cuBLAS's small GEMM launch costs more than it reads)
-            key = self.k_norm(mm_bf16(latent, self.wk.weight))
-            key = apply_rope_last(key, self.rope_dim, cos_table[group_start], sin_table[group_start])
-        # written where the compressed entry of the same group is (inp.cmp_slots, -1 if none)
-        torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key, self.index_format)
+            torch.ops.dsv41.write_index_keys(self.index_cache, inp.cmp_slots, key @ self.rotation, self.index_format)
+            return
+        group_start = rows.pos - rows.pos % self.ratio
+        # (a one-token GEMV on CUDA: cuBLAS's small GEMM launch costs more than it reads)
+        write_turned(self.index_cache, inp.cmp_slots, mm_bf16(latent, self.wk.weight), self.index_format, 1.0,
+                     self.k_norm.weight, self.k_norm.eps, cos_table[group_start], sin_table[group_start])
 
     def forward(self, q: Tensor, head_weights: Tensor, rows: "StepRows", cos, sin, inp: StepInputs,
                 index_cache: Tensor, candidates: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
@@ -688,8 +755,8 @@ class DSV41Attention(nn.Module):
         """Write the step's window kv, and with its own compressor its closed compressed
         entries and their index keys, from the ``x`` stack's projections ``xs``."""
         rows, rd = inp.rows, self.rope_dim
-        kv = apply_rope_last(self.kv_norm(xs["wkv"].to(dtype)), rd, cos, sin)
-        torch.ops.dsv41.write_kv(self.swa_cache, inp.swa_slots, kv, self.kv_format, self.kv_scale)
+        write_turned(self.swa_cache, inp.swa_slots, xs["wkv"], self.kv_format, self.kv_scale, self.kv_norm.weight,
+                     self.kv_norm.eps, cos, sin)
         if self.compressor is None:
             return
         latent, _ = self.compressor.latent(xs["compressor"], rows, dtype)

@@ -75,4 +75,78 @@ def test_the_row_store_launch_names_every_constexpr(fmt):
     from compile_ops.kv.triton import _layout, _store_rows_kernel
 
     params = inspect.signature(_store_rows_kernel.fn).parameters.values()  # (JIT or interpreted)
-    assert set(_layout(fmt)) == {p.name for p in params if "constexpr" in str(p.annotation)}
+    assert set(_layout(fmt, 0)) == {p.name for p in params if "constexpr" in str(p.annotation)}
+
+
+def _turn(n: int, width: int, seed: int):
+    """A norm weight and per-row angles of the last 64 dims, as a layer's."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = 1 + 0.1 * torch.randn(width, generator=gen)
+    angles = torch.rand(n, 32, generator=gen, dtype=torch.float64) * 60
+    return weight.to(DEVICE), angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", [*KV_FORMATS.values(), *INDEX_FORMATS.values()],
+                         ids=lambda f: f"{'index-' if f in INDEX_FORMATS.values() else ''}{f.name}")
+def test_turned_rows_store_the_unfused_bytes(fmt):
+    """``graphs::write_turned``'s kernel (the row store given ``turn``) leaves the bytes of
+    ``turned_rows`` (norm, then RoPE, in torch) stored by the reference: the fp32 column
+    slice of a projection's output, as the layer passes it (rows of another stride)."""
+    from graphs.attention import turned_rows
+
+    width = 128 if fmt in INDEX_FORMATS.values() else 512
+    new = new_index_cache if width == 128 else new_cache
+    cache = new(fmt.name, 3, 4, device=DEVICE)
+    cache.view(torch.uint8).copy_(torch.randint(0, 256, cache.view(torch.uint8).shape, dtype=torch.uint8))
+    want = cache.clone()
+    slots = torch.tensor([11, -1, 0, 5, 12, 7, 3], device=DEVICE)
+    values = torch.cat([rows_to_write(7, width, torch.float32), torch.ones(7, 8, device=DEVICE)], 1)[:, :width]
+    weight, cos, sin = _turn(7, width, width)
+    scale = 0.5 if fmt.name == "fp8" and width == 512 else 1.0
+    write_rows_triton(cache, slots, values, fmt, scale, turn=(weight, 1e-6, cos, sin))
+    write_values_reference(want, slots, turned_rows(values, weight, 1e-6, cos, sin), fmt, scale)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+
+
+def _write_turned_args(**bad):
+    weight, cos, sin = _turn(3, 512, 0)
+    args = dict(cache=new_cache("fp8_dsv41", 2, 4, device=DEVICE), slots=torch.tensor([0, -1, 6], device=DEVICE),
+                values=torch.randn(3, 512, device=DEVICE), fmt="fp8_dsv41", kv_scale=1.0, weight=weight, eps=1e-6,
+                cos=cos, sin=sin)
+    args.update(bad)
+    return args
+
+
+def test_write_turned_opcheck():
+    from graphs.attention import write_turned  # noqa: F401  (registers graphs::write_turned)
+
+    a = _write_turned_args()
+    torch.library.opcheck(torch.ops.graphs.write_turned.default, tuple(a.values()))
+    keys = _write_turned_args(cache=new_index_cache("fp4", 2, 4, device=DEVICE), values=torch.randn(3, 128).to(DEVICE),
+                              fmt="fp4", weight=torch.ones(128, device=DEVICE))
+    torch.library.opcheck(torch.ops.graphs.write_turned.default, tuple(keys.values()))
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(values=torch.randn(3, 256)), ValueError, "KV rows .* or index keys"),
+    (dict(values=torch.randn(2, 512)), ValueError, "len\\(slots\\)"),
+    (dict(fmt="fp9"), ValueError, "kv_format must be one of"),
+    (dict(kv_scale=0.0), ValueError, "kv_scale"),
+    (dict(weight=torch.ones(128)), ValueError, "weight must be \\[512\\]"),
+    (dict(weight=torch.ones(1024)[::2]), ValueError, "unit stride"),
+    (dict(weight=torch.ones(512, dtype=torch.bfloat16)), TypeError, "weight must have dtype"),
+    (dict(cos=torch.zeros(2, 32)), ValueError, "cos must be \\[N, P\\]"),
+    (dict(sin=torch.zeros(3, 300)), ValueError, "sin must be \\[N, P\\]"),
+    (dict(cos=torch.zeros(3, 32, dtype=torch.float64)), TypeError, "cos must have dtype"),
+    (dict(sin=torch.zeros(3, 64)[:, ::2]), ValueError, "unit column stride"),
+    (dict(values=torch.randn(3, 128), weight=torch.ones(128), fmt="fp8_dsv41"), ValueError, "index_format"),
+])
+def test_write_turned_refuses_bad_input(bad, error, match):
+    """Every argument of ``graphs::write_turned`` is checked before anything is stored."""
+    from graphs.attention import write_turned
+
+    args = _write_turned_args(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in bad.items()})
+    before = args["cache"].clone()
+    with pytest.raises(error, match=match):
+        write_turned(**args)
+    assert torch.equal(args["cache"].view(torch.uint8), before.view(torch.uint8))

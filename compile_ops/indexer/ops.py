@@ -21,7 +21,8 @@ from compile_ops.indexer.reference import (by_id, indexer_candidates_reference, 
                                           indexer_topk_reference, topk_of_scores)
 
 
-def _check_write(cache, slots, keys, index_format):
+def check_index_write(cache, slots, keys, index_format):
+    """``write_index_keys``' checks of its arguments; returns the cache's format."""
     fmt = check_index_cache("cache", cache, index_format)
     check_tensor("slots", slots, (torch.int32, torch.int64), 1, cache.device)
     check_tensor("keys", keys, (torch.bfloat16, torch.float16, torch.float32), 2, cache.device)
@@ -32,7 +33,7 @@ def _check_write(cache, slots, keys, index_format):
 
 @torch.library.custom_op("dsv41::write_index_keys", mutates_args=("cache",))
 def write_index_keys(cache: Tensor, slots: Tensor, keys: Tensor, index_format: str) -> None:
-    fmt = _check_write(cache, slots, keys, index_format)
+    fmt = check_index_write(cache, slots, keys, index_format)
     if cache.shape[0] * cache.shape[1] == 0 or slots.shape[0] == 0:
         return
     store = backends.implementation("kv", "write_kv", cache.device)  # the KV caches' row store
@@ -41,7 +42,7 @@ def write_index_keys(cache: Tensor, slots: Tensor, keys: Tensor, index_format: s
 
 @write_index_keys.register_fake
 def _(cache, slots, keys, index_format):
-    _check_write(cache, slots, keys, index_format)
+    check_index_write(cache, slots, keys, index_format)
 
 
 def _check_topk(q, weights, index_cache, block_table, token_to_req, n_entries, k, index_format, candidates=None,

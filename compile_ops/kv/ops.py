@@ -16,7 +16,8 @@ from compile_ops.formats import HEAD_DIM, KVFormat, check_cache, num_slots
 from compile_ops.kv.reference import write_values_reference
 
 
-def _check_write(cache, slots, kv, kv_format, kv_scale) -> KVFormat:
+def check_kv_write(cache, slots, kv, kv_format, kv_scale) -> KVFormat:
+    """``write_kv``'s checks of its arguments; returns the cache's format."""
     fmt = check_cache("cache", cache, kv_format)
     check_tensor("slots", slots, (torch.int32, torch.int64), 1, cache.device)
     check_tensor("kv", kv, (torch.bfloat16, torch.float16, torch.float32), 2, cache.device)
@@ -29,7 +30,7 @@ def _check_write(cache, slots, kv, kv_format, kv_scale) -> KVFormat:
 
 @torch.library.custom_op("dsv41::write_kv", mutates_args=("cache",))
 def write_kv(cache: Tensor, slots: Tensor, kv: Tensor, kv_format: str, kv_scale: float = 1.0) -> None:
-    fmt = _check_write(cache, slots, kv, kv_format, kv_scale)
+    fmt = check_kv_write(cache, slots, kv, kv_format, kv_scale)
     if num_slots(cache) == 0 or slots.shape[0] == 0:
         return
     backends.implementation("kv", "write_kv", cache.device)(cache, slots, kv, fmt, kv_scale)
@@ -37,7 +38,7 @@ def write_kv(cache: Tensor, slots: Tensor, kv: Tensor, kv_format: str, kv_scale:
 
 @write_kv.register_fake
 def _(cache, slots, kv, kv_format, kv_scale=1.0):
-    _check_write(cache, slots, kv, kv_format, kv_scale)
+    check_kv_write(cache, slots, kv, kv_format, kv_scale)
 
 
 write_kv.__doc__ = """Quantize ``kv [N, 512]`` and write row ``i`` to slot ``slots[i]`` of ``cache``, in place.
