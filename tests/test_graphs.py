@@ -389,8 +389,10 @@ def _dynamo_graphs(ratio: int, max_seq_len: int = 32, workload: Workload | None 
     return recorder.graphs, breaks
 
 
-def dsv41_ops(gm) -> str:
-    return "\n".join(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("dsv41."))
+def custom_ops(gm) -> str:
+    """The graph's calls of the package's ops (``dsv41`` and the layer's ``graphs`` ops), in order."""
+    return "\n".join(str(n.target).removesuffix(".default") for n in gm.graph.nodes
+                     if n.op == "call_function" and str(n.target).startswith(("dsv41.", "graphs.")))
 
 
 class TestStepGraph(expecttest.TestCase):
@@ -399,10 +401,13 @@ class TestStepGraph(expecttest.TestCase):
     def test_swa_only_step(self):
         graphs, breaks = _dynamo_graphs(0)
         self.assertEqual((len(graphs), breaks), (1, 0))
-        self.assertExpectedInline(dsv41_ops(graphs[0]), """\
+        self.assertExpectedInline(custom_ops(graphs[0]), """\
 dsv41.swa_indices
-dsv41.write_kv
-dsv41.sparse_mla_out""")
+graphs.mm_beside
+graphs.write_turned
+graphs.join_beside
+dsv41.sparse_mla_out
+graphs.rope_heads_""")
 
     def test_every_step_kind_runs_one_indexed_graph(self):
         """Prefill chunks, decode, drafts with rewinds and mixed steps, buckets 1..16 and an
@@ -411,22 +416,28 @@ dsv41.sparse_mla_out""")
         assert {c.kind for step in workload.steps for c in step} == {"prefill", "decode", "draft"}
         graphs, breaks = _dynamo_graphs(2, workload=workload)
         self.assertEqual((len(graphs), breaks), (1, 0))
-        self.assertExpectedInline(dsv41_ops(graphs[0]), """\
+        self.assertExpectedInline(custom_ops(graphs[0]), """\
 dsv41.swa_indices
-dsv41.write_kv
+graphs.mm_beside
+graphs.write_turned
 dsv41.write_kv
 dsv41.write_index_keys
+graphs.join_beside
 dsv41.indexer_topk
 dsv41.topk_to_slots
-dsv41.sparse_mla_out""")
+dsv41.sparse_mla_out
+graphs.rope_heads_""")
 
     def test_overlap_and_dense_steps_have_no_breaks(self):
         for ratio, max_seq_len in ((4, 32), (128, 256)):
             graphs, breaks = _dynamo_graphs(ratio, max_seq_len)
             self.assertEqual((len(graphs), breaks), (1, 0), f"ratio {ratio}")
-            indexer = ["dsv41.write_index_keys", "dsv41.indexer_topk"] if ratio == 4 else []  # 128: dense, no indexer
-            self.assertEqual(dsv41_ops(graphs[0]).split(), ["dsv41.swa_indices", "dsv41.write_kv", "dsv41.write_kv", *indexer,
-                                                            "dsv41.topk_to_slots", "dsv41.sparse_mla_out"])
+            # 128: dense, no indexer
+            keys, topk = (["dsv41.write_index_keys"], ["dsv41.indexer_topk"]) if ratio == 4 else ([], [])
+            self.assertEqual(custom_ops(graphs[0]).split(),
+                             ["dsv41.swa_indices", "graphs.mm_beside", "graphs.write_turned", "dsv41.write_kv", *keys,
+                              "graphs.join_beside", *topk, "dsv41.topk_to_slots", "dsv41.sparse_mla_out",
+                              "graphs.rope_heads_"])
 
 
 def test_compiled_step_matches_eager_over_a_mixed_workload():

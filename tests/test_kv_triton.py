@@ -128,24 +128,26 @@ def test_write_turned_opcheck():
 
 
 @pytest.mark.parametrize("bad, error, match", [
-    (dict(values=torch.randn(3, 256)), ValueError, "KV rows .* or index keys"),
-    (dict(values=torch.randn(2, 512)), ValueError, "len\\(slots\\)"),
+    (dict(values=torch.randn(3, 256, device=DEVICE)), ValueError, "KV rows .* or index keys"),
+    (dict(values=torch.randn(2, 512, device=DEVICE)), ValueError, "len\\(slots\\)"),
     (dict(fmt="fp9"), ValueError, "kv_format must be one of"),
     (dict(kv_scale=0.0), ValueError, "kv_scale"),
-    (dict(weight=torch.ones(128)), ValueError, "weight must be \\[512\\]"),
-    (dict(weight=torch.ones(1024)[::2]), ValueError, "unit stride"),
-    (dict(weight=torch.ones(512, dtype=torch.bfloat16)), TypeError, "weight must have dtype"),
-    (dict(cos=torch.zeros(2, 32)), ValueError, "cos must be \\[N, P\\]"),
-    (dict(sin=torch.zeros(3, 300)), ValueError, "sin must be \\[N, P\\]"),
-    (dict(cos=torch.zeros(3, 32, dtype=torch.float64)), TypeError, "cos must have dtype"),
-    (dict(sin=torch.zeros(3, 64)[:, ::2]), ValueError, "unit column stride"),
-    (dict(values=torch.randn(3, 128), weight=torch.ones(128), fmt="fp8_dsv41"), ValueError, "index_format"),
+    (dict(weight=torch.ones(128, device=DEVICE)), ValueError, "weight must be \\[512\\]"),
+    (dict(weight=torch.ones(1024, device=DEVICE)[::2]), ValueError, "unit stride"),
+    (dict(weight=torch.ones(512, dtype=torch.bfloat16, device=DEVICE)), TypeError, "weight must have dtype"),
+    (dict(weight=torch.ones(512, device="meta" if DEVICE.type == "cpu" else "cpu")), ValueError, "weight must be on"),
+    (dict(cos=torch.zeros(2, 32, device=DEVICE)), ValueError, "cos must be \\[N, P\\]"),
+    (dict(sin=torch.zeros(3, 300, device=DEVICE)), ValueError, "sin must be \\[N, P\\]"),
+    (dict(cos=torch.zeros(3, 32, dtype=torch.float64, device=DEVICE)), TypeError, "cos must have dtype"),
+    (dict(sin=torch.zeros(3, 64, device=DEVICE)[:, ::2]), ValueError, "unit column stride"),
+    (dict(values=torch.randn(3, 128, device=DEVICE), weight=torch.ones(128, device=DEVICE), fmt="fp8_dsv41"),
+     ValueError, "index_format"),
 ])
 def test_write_turned_refuses_bad_input(bad, error, match):
     """Every argument of ``graphs::write_turned`` is checked before anything is stored."""
     from graphs.attention import write_turned
 
-    args = _write_turned_args(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in bad.items()})
+    args = _write_turned_args(**bad)
     before = args["cache"].clone()
     with pytest.raises(error, match=match):
         write_turned(**args)
