@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 import compile_ops  # noqa: F401  (registers torch.ops.dsv41)
+from compile_ops import backends
 from compile_ops._checks import check_device, check_tensor
 from compile_ops.formats import HEAD_DIM, new_cache
 from compile_ops.indexer.cache import INDEX_DIM, new_index_cache
@@ -117,11 +118,12 @@ def write_turned(cache: Tensor, slots: Tensor, values: Tensor, fmt: str, kv_scal
     (``values [N, 128]``, ``fmt`` an index format; ``kv_scale`` unused) of those rows, the
     same bytes up to the fp32 rounding of the norm's sum. ``values``: any float dtype, rows
     of any stride (a column slice of a projection's output); ``weight [W]`` fp32; ``cos,
-    sin [N, P]`` fp32. On CUDA one Triton launch normalises, turns, quantizes and stores
-    each row (:func:`compile_ops.kv.triton.write_rows_triton`), where the unfused rows
-    cost a norm kernel, a RoPE kernel and the store."""
+    sin [N, P]`` fp32. Where the stores' ``"kv"`` backend is Triton (CUDA), one launch
+    normalises, turns, quantizes and stores each row
+    (:func:`compile_ops.kv.triton.write_rows_triton`), where the unfused rows take a norm
+    kernel, a RoPE kernel and the store; elsewhere :func:`turned_rows`, then the store."""
     layout, index_keys = _check_turned(cache, slots, values, fmt, kv_scale, weight, cos, sin)
-    if not cache.is_cuda:
+    if backends.backend_for("kv", cache.device) != "triton":  # (the stores' own choice of backend)
         rows = turned_rows(values, weight, eps, cos, sin)
         if index_keys:
             torch.ops.dsv41.write_index_keys(cache, slots, rows, fmt)
