@@ -88,12 +88,12 @@ def test_compiled_decode_step_calls_ops_in_place():
         want = LayerStep(twin, copy.deepcopy(meta))(x)
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
     assert counters["inductor"]["possibly_missed_reinplacing_opportunities"] == 0
-    # the SWA write, the compressed write, top-k -> slots, attention, in order (the window,
-    # a pure op, may be scheduled anywhere before attention); write_kv gets the cache
-    # buffer itself (a graph input), not a copy of it
+    # the SWA write (normalised and turned in its store), the compressed write, top-k ->
+    # slots, attention, in order (the window, a pure op, may be scheduled anywhere before
+    # attention); the stores get the cache buffer itself (a graph input), not a copy of it
     FileCheck().check("torch.ops.dsv41.swa_indices.default(").check("torch.ops.dsv41.sparse_mla_out").run(code)
     (FileCheck()
-     .check_regex(r"torch\.ops\.dsv41\.write_kv\.default\(arg\d+_1,")
+     .check_regex(r"torch\.ops\.graphs\.write_turned\.default\(arg\d+_1,")
      .check_regex(r"torch\.ops\.dsv41\.write_kv\.default\(arg\d+_1,")
      .check("torch.ops.dsv41.topk_to_slots.default(")
      .check_regex(r"torch\.ops\.dsv41\.sparse_mla_out\.default\(buf\d+, arg\d+_1,")
