@@ -122,7 +122,7 @@ def write_turned(cache: Tensor, slots: Tensor, values: Tensor, fmt: str, kv_scal
     normalises, turns, quantizes and stores each row
     (:func:`compile_ops.kv.triton.write_rows_triton`), where the unfused rows take a norm
     kernel, a RoPE kernel and the store; elsewhere :func:`turned_rows`, then the store."""
-    layout, index_keys = _check_turned(cache, slots, values, fmt, kv_scale, weight, cos, sin)
+    layout, index_keys = _check_turned(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin)
     if backends.backend_for("kv", cache.device) != "triton":  # (the stores' own choice of backend)
         rows = turned_rows(values, weight, eps, cos, sin)
         if index_keys:
@@ -137,10 +137,10 @@ def write_turned(cache: Tensor, slots: Tensor, values: Tensor, fmt: str, kv_scal
 
 @write_turned.register_fake
 def _(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin):
-    _check_turned(cache, slots, values, fmt, kv_scale, weight, cos, sin)
+    _check_turned(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin)
 
 
-def _check_turned(cache, slots, values, fmt, kv_scale, weight, cos, sin):
+def _check_turned(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin):
     """:func:`write_turned`'s checks: the store's own (``dsv41::write_kv`` or
     ``write_index_keys``, by ``values``' width), then the norm's and the rotation's.
     Returns ``(the cache's format, whether values are index keys)``."""
@@ -151,6 +151,8 @@ def _check_turned(cache, slots, values, fmt, kv_scale, weight, cos, sin):
     index_keys = width == INDEX_DIM
     layout = (check_index_write(cache, slots, values, fmt) if index_keys
               else check_kv_write(cache, slots, values, fmt, kv_scale))
+    if not float(eps) >= 0.0:  # (a negative eps can make the mean square's root NaN)
+        raise ValueError(f"eps must be a float >= 0, got {eps}")
     check_tensor("weight", weight, torch.float32, 1, cache.device)
     if weight.shape[0] != width or weight.stride(0) != 1:
         raise ValueError(f"weight must be [{width}] (values' width) with unit stride, got {list(weight.shape)} "

@@ -132,6 +132,8 @@ def test_write_turned_opcheck():
     (dict(values=torch.randn(2, 512, device=DEVICE)), ValueError, "len\\(slots\\)"),
     (dict(fmt="fp9"), ValueError, "kv_format must be one of"),
     (dict(kv_scale=0.0), ValueError, "kv_scale"),
+    (dict(eps=-1e-6), ValueError, "eps must be"),
+    (dict(eps=float("nan")), ValueError, "eps must be"),
     (dict(weight=torch.ones(128, device=DEVICE)), ValueError, "weight must be \\[512\\]"),
     (dict(weight=torch.ones(1024, device=DEVICE)[::2]), ValueError, "unit stride"),
     (dict(weight=torch.ones(512, dtype=torch.bfloat16, device=DEVICE)), TypeError, "weight must have dtype"),
