@@ -121,18 +121,17 @@ def write_turned(cache: Tensor, slots: Tensor, values: Tensor, fmt: str, kv_scal
     sin [N, P]`` fp32. Where the stores' ``"kv"`` backend is Triton (CUDA), one launch
     normalises, turns, quantizes and stores each row
     (:func:`compile_ops.kv.triton.write_rows_triton`), where the unfused rows take a norm
-    kernel, a RoPE kernel and the store; elsewhere :func:`turned_rows`, then the store."""
-    layout, index_keys = _check_turned(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin)
-    if backends.backend_for("kv", cache.device) != "triton":  # (the stores' own choice of backend)
-        rows = turned_rows(values, weight, eps, cos, sin)
-        if index_keys:
-            torch.ops.dsv41.write_index_keys(cache, slots, rows, fmt)
-        else:
-            torch.ops.dsv41.write_kv(cache, slots, rows, fmt, kv_scale)
-    elif cache.shape[0] * cache.shape[1] and slots.shape[0]:
-        from compile_ops.kv.triton import write_rows_triton
-
-        write_rows_triton(cache, slots, values, layout, kv_scale, turn=(weight, eps, cos, sin))
+    kernel, a RoPE kernel and the store; elsewhere :func:`turned_rows`, then that backend's
+    store."""
+    layout = _check_turned(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin)
+    if cache.shape[0] * cache.shape[1] == 0 or slots.shape[0] == 0:
+        return
+    # the store both dsv41 stores call: the Triton one normalises and turns in its program
+    backend, ops = backends.resolve("kv", cache.device)
+    if backend == "triton":
+        ops["write_kv"](cache, slots, values, layout, kv_scale, turn=(weight, eps, cos, sin))
+    else:
+        ops["write_kv"](cache, slots, turned_rows(values, weight, eps, cos, sin), layout, kv_scale)
 
 
 @write_turned.register_fake
@@ -143,13 +142,12 @@ def _(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin):
 def _check_turned(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin):
     """:func:`write_turned`'s checks: the store's own (``dsv41::write_kv`` or
     ``write_index_keys``, by ``values``' width), then the norm's and the rotation's.
-    Returns ``(the cache's format, whether values are index keys)``."""
+    Returns the cache's format."""
     check_tensor("values", values, (torch.bfloat16, torch.float16, torch.float32), 2, cache.device)
     width = values.shape[1]
     if width not in (HEAD_DIM, INDEX_DIM):
         raise ValueError(f"values must be KV rows [N, {HEAD_DIM}] or index keys [N, {INDEX_DIM}], got {list(values.shape)}")
-    index_keys = width == INDEX_DIM
-    layout = (check_index_write(cache, slots, values, fmt) if index_keys
+    layout = (check_index_write(cache, slots, values, fmt) if width == INDEX_DIM
               else check_kv_write(cache, slots, values, fmt, kv_scale))
     if not float(eps) >= 0.0:  # (a negative eps can make the mean square's root NaN)
         raise ValueError(f"eps must be a float >= 0, got {eps}")
@@ -164,7 +162,7 @@ def _check_turned(cache, slots, values, fmt, kv_scale, weight, eps, cos, sin):
                              f"column stride, got {list(t.shape)} stride {t.stride()}")
     if cos.stride() != sin.stride():
         raise ValueError(f"cos and sin must have the same strides, got {cos.stride()} and {sin.stride()}")
-    return layout, index_keys
+    return layout
 
 
 Stats = tuple[Tensor, Tensor, Tensor]
