@@ -153,32 +153,30 @@ def power_of_two(exponent):
 
 
 @triton.jit
-def e4m3_to_bf16(x):
-    """e4m3 ``x`` widened to bf16, exactly, in integer and bf16 arithmetic (CUDA only: inline
-    PTX, which Triton's interpreter cannot run).
+def e4m3_to_bf16_bits(x):
+    """e4m3 ``x`` as bf16 times ``2**-120``, exactly, in two integer instructions and one
+    shift per two elements (CUDA only: inline PTX, which Triton's interpreter cannot run).
 
     Triton's own cast goes e4m3 -> f16 -> bf16, one conversion instruction per element
     and one per pair, and Hopper's conversion unit retires 16 per clock per SM: a kernel
     that widens every weight byte it streams is held at about half the HBM bandwidth by
-    it. Here a byte ``s eeee mmm`` moves to bf16's bits as ``s 0000 eeee mmm 0000`` (byte
-    permutes, a shift and masks, two elements per 32-bit register), which is the e4m3
-    value times ``2**-120`` for normals and subnormals alike (bf16 has 4 more exponent
-    bits, an exponent bias 120 larger and subnormals of its own); one bf16 ``fma`` by
-    ``2**120`` (adding ``-0.0``, which keeps signed zeros) rebiases it. The e4m3 NaN byte
-    comes out as 480.0, not NaN: weights hold none.
+    it. Here a byte ``s eeee mmm`` moves to bf16's bits as ``s 0000 eeee mmm 0000``, two
+    elements per 32-bit register: a byte permute builds each half as ``S..S s eeee mmm``
+    (the byte below a copy of its sign), a shift left by 4 (a multiply, on the FMA pipe)
+    puts the sign in bit 15, and a mask clears the rest. That is the e4m3 value times
+    ``2**-120`` for normals and subnormals alike (bf16 has 4 more exponent bits, an
+    exponent bias 120 larger and subnormals of its own); the caller folds the ``2**120``
+    into its other factors. The e4m3 NaN byte comes out as ``480 * 2**-120``: weights hold
+    none.
     """
     return tl.inline_asm_elementwise(
         """
         {
-        .reg .b32 a, m, rebias, zero;
-        mov.b32 rebias, 0x7B807B80;
-        mov.b32 zero, 0x80008000;
+        .reg .b32 a;
         cvt.u32.u16 a, $1;
-        prmt.b32 a, a, 0, 0x1404;
-        shr.b32 m, a, 4;
-        and.b32 m, m, 0x07F007F0;
-        lop3.b32 m, a, 0x80008000, m, 0xea;
-        fma.rn.bf16x2 $0, m, rebias, zero;
+        prmt.b32 a, a, 0, 0x9180;
+        shl.b32 a, a, 4;
+        and.b32 $0, a, 0x87F087F0;
         }
         """,
         "=r,h",
@@ -189,22 +187,36 @@ def e4m3_to_bf16(x):
     )
 
 
-# e4m3_to_fp32_bits' PTX: byte j of the packed register $4 into output $j
-_E4M3X4_TO_FP32_BITS = tl.constexpr("{\n.reg .b32 t;\n" + "".join(
-    f"prmt.b32 t, $4, 0, 0x{j}444;\nshr.s32 t, t, 4;\nand.b32 ${j}, t, 0x87F00000;\n" for j in range(4)) + "}")
+@triton.jit
+def e4m3_to_bf16(x):
+    """e4m3 ``x`` widened to bf16, exactly (:func:`e4m3_to_bf16_bits` times ``2**120``, a
+    bf16 product that keeps signed zeros; CUDA only)."""
+    return e4m3_to_bf16_bits(x) * 1.329227995784916e36  # 2 ** 120
+
+
+# e4m3_to_fp32's PTX: bytes 2i and 2i + 1 of the packed register $4 into outputs $2i and
+# $2i+1, through an f16 pair (prmt selectors: each byte, then its sign copied into a byte)
+_E4M3X4_TO_FP32 = tl.constexpr("{\n.reg .b32 t;\n.reg .b16 lo, hi;\n" + "".join(
+    f"prmt.b32 t, $4, 0, {selector};\nshl.b32 t, t, 7;\nand.b32 t, t, 0xBF80BF80;\nmov.b32 {{lo, hi}}, t;\n"
+    f"cvt.f32.f16 ${2 * i}, lo;\ncvt.f32.f16 ${2 * i + 1}, hi;\n" for i, selector in enumerate(("0x9180", "0xB3A2")))
+    + "}")
 
 
 @triton.jit
-def e4m3_to_fp32_bits(x):
-    """e4m3 ``x`` as fp32 times ``2**-120``, exactly, in three integer instructions per
-    element (CUDA only: inline PTX).
+def e4m3_to_fp32(x):
+    """e4m3 ``x`` as fp32 times ``2**-8``, exactly, in one byte permute, one shift and one
+    mask per two elements and one f16 -> fp32 widening per element (CUDA only: inline PTX).
 
-    ``prmt`` moves a byte ``s eeee mmm`` to bits 31:24, an arithmetic shift right by 4
-    copies the sign into 30:27, and a mask keeps bit 31 and bits 26:20: fp32's bits
-    ``s 0000eeee mmm0...``, the e4m3 value times ``2**-120`` for normals and subnormals
-    alike (the bias of fp32 is 120 larger; e4m3's subnormals become fp32 subnormals). The
-    caller folds the ``2**120`` into the other factor: no rebias per element. The e4m3 NaN
-    byte comes out as ``480 * 2**-120``: weights hold none.
+    ``prmt`` builds each 16-bit half as ``S..S s eeee mmm`` (the byte below a copy of its
+    sign), a shift left by 7 puts the sign in bit 15 and ``eeee mmm`` in bits 13:7, and the
+    mask ``0xBF80`` clears the rest: f16's bits ``s 0eeee mmm0000000``, the e4m3 value times
+    ``2**-8`` for normals and subnormals alike (f16's exponent bias is 8 larger, its
+    subnormals are e4m3's times ``2**-8``). f16 -> fp32 is exact and runs on the FMA pipe,
+    as does the shift (a multiply), so the integer pipe, which retires half as many
+    instructions per clock, does one per element, where moving each byte into fp32's bits
+    directly takes three. The
+    caller folds the ``2**8`` into the other factor. The e4m3 NaN byte comes out as
+    ``480 * 2**-8``: weights hold none.
     """
-    return tl.inline_asm_elementwise(_E4M3X4_TO_FP32_BITS, "=r,=r,=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+    return tl.inline_asm_elementwise(_E4M3X4_TO_FP32, "=r,=r,=r,=r,r", [x.to(tl.uint8, bitcast=True)],
                                      dtype=tl.float32, is_pure=True, pack=4)

@@ -37,8 +37,8 @@ from compile_ops.linear import quantize_blocks
 from compile_ops.linear.quant import TILE_N
 from graphs.config import AttentionConfig, CacheConfig
 from graphs.fp8 import Fp8Linear
-from graphs.fused import (StackedRows, columns, join_beside, mm_bf16, project, project_beside, side_stream,
-                          stack_rows)
+from graphs.fused import (StackedRows, TurnedHeads, columns, join_beside, mm_bf16, project, project_beside,
+                          side_stream, stack_rows)
 from graphs.metadata import Geometry, StepInputs, StepRows, derive, step_inputs
 from graphs.plan import LayerPlan, LayerRole
 from graphs.rope import apply_rope_last, layer_inv_freq, rope_heads_, rope_tables
@@ -793,13 +793,15 @@ class DSV41Attention(nn.Module):
         qr = self.q_norm(xs["wq_a"].to(x.dtype))
         # The q GEMM runs on the side stream while this one writes the caches: neither reads
         # what the other writes, and the GEMM leaves SMs free for the writes' small kernels.
-        q_stacks = project_beside(self, self.stacks["q"], qr)
+        # V4.1 does not normalise q's heads: they are turned in place in the GEMM's output,
+        # after it on the side stream.
+        turn = TurnedHeads("wq_b", cos, sin, D) if self.cfg.v41 else None
+        q_stacks = project_beside(self, self.stacks["q"], qr, turn)
         self._write_caches(xs, inp, cos, sin, x.dtype)
         join_beside(q_stacks)
         qs = columns(self.stacks["q"], q_stacks)
-        if self.cfg.v41:  # V4.1 does not normalise q's heads: turned in place in the projection's output
+        if self.cfg.v41:
             q = qs["wq_b"]
-            rope_heads_(q, cos, sin, D)
             # (the heads where they lie; a view of the column slice would specialise T == 1)
             q = q.as_strided((T, self.local_heads, D), (q.stride(0), D, 1))
         else:  # V4 normalises each head of q (no weight)

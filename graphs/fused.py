@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from compile_ops.linear import bf16_linear, fp8_linear
+from graphs.rope import rope_heads_
 
 
 class StackedRows(NamedTuple):
@@ -98,11 +99,35 @@ def _stack_product(x: Tensor, weight: Tensor, scale: Optional[Tensor], fp32: boo
     return mm_fp32(x, weight) if fp32 else mm_bf16(x, weight)
 
 
-def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor) -> list[Tensor]:
+class TurnedHeads(NamedTuple):
+    """Heads of a projection that :func:`project_beside` turns after its GEMM: ``name``, the
+    first projection of its stack, whose output is heads of ``head_dim`` (bf16, a power of
+    two) with their last ``2P`` dims turned by ``cos, sin [T, P]`` fp32
+    (:func:`graphs.rope.rope_heads_`)."""
+
+    name: str
+    cos: Tensor
+    sin: Tensor
+    head_dim: int
+
+
+def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor,
+                   turn: Optional[TurnedHeads] = None) -> list[Tensor]:
     """Each stack's bf16 product with ``x [T, in]`` (``[T, sum of widths]``), computed on
     the device's side stream (:func:`side_stream`) while the current stream goes on: read
-    them after :func:`join_beside` (then :func:`columns`)."""
-    return [torch.ops.graphs.mm_beside(x, *_weights(module, s)) for s in stacks]
+    them after :func:`join_beside` (then :func:`columns`). ``turn``: the heads of one
+    projection turned in place there too, after its GEMM."""
+    names = [s.names[0] for s in stacks]
+    if turn is not None and turn.name not in names:
+        raise ValueError(f"turn.name must be the first projection of a stack ({names}), got {turn.name!r}")
+    ys = []
+    for s in stacks:
+        if turn is not None and s.names[0] == turn.name:
+            ys.append(torch.ops.graphs.mm_beside(x, *_weights(module, s), turn.cos, turn.sin, s.widths[0],
+                                                 turn.head_dim))
+        else:
+            ys.append(torch.ops.graphs.mm_beside(x, *_weights(module, s)))
+    return ys
 
 
 def join_beside(ys: list[Tensor]) -> None:
@@ -128,17 +153,22 @@ def side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
 
 
 @torch.library.custom_op("graphs::mm_beside", mutates_args=())
-def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
+def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor], cos: Optional[Tensor] = None,
+              sin: Optional[Tensor] = None, turned: int = 0, head_dim: int = 0) -> Tensor:
     """``x [T, in] @ weight [out, in]^T`` -> bf16 ``[T, out]`` (``scale``: an e4m3 weight's
     block scales, :func:`compile_ops.linear.fp8_linear`), on :func:`side_stream` after the
-    work queued so far on the current stream; read it after ``graphs::join_beside``."""
+    work queued so far on the current stream; read it after ``graphs::join_beside``.
+    ``turned > 0``: its first ``turned`` columns are heads of ``head_dim``, turned in place
+    after the GEMM by ``cos, sin [T, P]`` (:func:`graphs.rope.rope_heads_`), on the side
+    stream too (the turn then leaves the path of the work beside it)."""
+    _check_turned(weight, cos, sin, turned)
     side = side_stream(x.device)
     if side is None:
-        return _product(x, weight, scale)
+        return _turned_product(x, weight, scale, cos, sin, turned, head_dim)
     main = torch.cuda.current_stream(x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        y = _product(x, weight, scale)
+        y = _turned_product(x, weight, scale, cos, sin, turned, head_dim)
     # neither block is handed out again while the other stream may still use it
     x.record_stream(side)
     y.record_stream(main)
@@ -151,8 +181,24 @@ def _product(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
     return x @ weight.t() if scale is None else fp8_linear(x, weight, scale)
 
 
+def _turned_product(x: Tensor, weight: Tensor, scale: Optional[Tensor], cos: Optional[Tensor],
+                    sin: Optional[Tensor], turned: int, head_dim: int) -> Tensor:
+    y = _product(x, weight, scale)
+    if turned:
+        rope_heads_(y[:, :turned], cos, sin, head_dim)
+    return y
+
+
+def _check_turned(weight: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], turned: int) -> None:
+    if turned < 0 or turned > weight.shape[0]:
+        raise ValueError(f"turned must be 0 .. weight's {weight.shape[0]} rows, got {turned}")
+    if turned and (cos is None or sin is None):
+        raise ValueError("turned columns need cos and sin")
+
+
 @mm_beside.register_fake
-def _(x, weight, scale):
+def _(x, weight, scale, cos=None, sin=None, turned=0, head_dim=0):
+    _check_turned(weight, cos, sin, turned)
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

@@ -12,7 +12,8 @@ import torch
 
 from graphs import TINY, TINY_V41, DSV41Attention
 from compile_ops.linear import fp8_linear
-from graphs.fused import columns, join_beside, project, project_beside
+from graphs.fused import TurnedHeads, columns, join_beside, project, project_beside
+from graphs.rope import rope_heads_
 from test_graphs_fp8 import cache, serve
 from test_opcheck import opcheck
 
@@ -95,6 +96,37 @@ def test_the_q_projection_beside_equals_the_plain_one(weights):
         scale = None if s.scale is None else getattr(layer, s.scale)
         opcheck(torch.ops.graphs.mm_beside.default, (qr, getattr(layer, s.weight), scale))
         opcheck(torch.ops.graphs.join_beside.default, (y,))
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_the_q_projection_beside_turns_its_heads(weights):
+    """``project_beside`` given ``TurnedHeads("wq_b", ...)`` (V4.1's q heads, turned after
+    the GEMM on the side stream on CUDA) gives ``project``'s columns with ``wq_b``'s heads
+    turned by ``rope_heads_`` and the other columns untouched; the op's fake kernel matches
+    (``opcheck``); a projection that is not first in its stack, or turned columns past the
+    weight's rows or without angles, are refused."""
+    layer = DSV41Attention(V41, CACHE, 2, weights=weights, seed=3)
+    T, D, P = 3, layer.head_dim, layer.rope_dim // 2
+    qr = torch.randn(T, layer.cfg.q_lora_rank).to(torch.bfloat16)
+    cos, sin = layer.rope_cos[torch.tensor([5, 9, 40])], layer.rope_sin[torch.tensor([5, 9, 40])]
+    stacks = layer.stacks["q"]
+    ys = project_beside(layer, stacks, qr, TurnedHeads("wq_b", cos, sin, D))
+    join_beside(ys)
+    got, want = columns(stacks, ys), project(layer, stacks, qr)
+    assert not torch.equal(got["wq_b"], want["wq_b"])
+    rope_heads_(want["wq_b"], cos, sin, D)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    s = stacks[0]
+    weight, scale = getattr(layer, s.weight), None if s.scale is None else getattr(layer, s.scale)
+    opcheck(torch.ops.graphs.mm_beside.default, (qr, weight, scale, cos, sin, s.widths[0], D))
+    with pytest.raises(ValueError, match="first projection of a stack"):
+        project_beside(layer, stacks, qr, TurnedHeads("indexer.wq_b", cos, sin, D))
+    with pytest.raises(ValueError, match="turned must be"):
+        torch.ops.graphs.mm_beside(qr, weight, scale, cos, sin, weight.shape[0] + D, D)
+    with pytest.raises(ValueError, match="need cos and sin"):
+        torch.ops.graphs.mm_beside(qr, weight, scale, None, None, D, D)
+    assert P == cos.shape[1]
 
 
 def test_an_fp8_layers_x_stacks_run_side_by_side():

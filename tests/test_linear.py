@@ -269,42 +269,55 @@ for c in ("*fp32", "*bf16"):
 """
 
 
+def _prmt(word, selector):
+    """``prmt.b32 d, word, 0, selector`` on uint32 arrays: output byte ``i`` is byte
+    ``selector``'s nibble ``i`` (its low 3 bits) of ``word`` (bytes 4-7 are the zero
+    register), or that byte's sign copied into all 8 bits when the nibble's bit 3 is set."""
+    source = [(word >> (8 * i)) & 0xFF for i in range(4)] + [np.zeros_like(word)] * 4
+    out = np.zeros_like(word)
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = source[nibble & 7]
+        out |= (np.where(byte & 0x80, 0xFF, 0) if nibble & 8 else byte).astype(word.dtype) << (8 * i)
+    return out
+
+
+E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+
+
 def test_the_weight_widening_bit_rule_gives_every_e4m3_value():
-    """:func:`compile_ops._triton_quant.e4m3_to_bf16`'s PTX, step by step on every pair of
-    bytes (Triton packs element 0 in the low byte / half): ``prmt`` puts the bytes in bits
-    15:8 and 31:24, the magnitude moves down 4 bits beside the sign, and the bf16 read of
-    each half times ``2**120`` is the e4m3 value (NaN bytes aside), subnormals and ``-0``
-    included."""
+    """:func:`compile_ops._triton_quant.e4m3_to_bf16_bits`'s PTX, step by step on every pair of
+    bytes (Triton packs element 0 in the low byte / half): ``prmt`` builds each half as the
+    byte below a copy of its sign, a shift left by 4 and the mask ``0x87F0`` leave bf16's
+    bits, and each half times ``2**120`` is the e4m3 value (NaN bytes aside), subnormals and
+    ``-0`` included."""
     b = np.arange(256, dtype=np.uint32)
     pair = (b[:, None] | (b[None, :] << 8)).reshape(-1)
-    source = [(pair >> (8 * i)) & 0xFF for i in range(4)] + [np.zeros_like(pair)] * 4
-    a = sum(source[(0x1404 >> (4 * i)) & 7] << (8 * i) for i in range(4))  # prmt.b32 a, a, 0, 0x1404
-    m = (a & 0x80008000) | ((a >> 4) & 0x07F007F0)  # shr, and, lop3 0xea
+    m = (_prmt(pair, 0x9180) << 4) & 0x87F087F0  # prmt 0x9180, shl 4, and
     halves = np.stack([m & 0xFFFF, m >> 16]).astype(np.uint16).view(np.int16)
     got = torch.from_numpy(halves).view(torch.bfloat16).double() * 2.0 ** 120  # fma.rn.bf16x2 by 2**120
-    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    want = torch.stack([e4m3.repeat_interleave(256), e4m3.repeat(256)])  # pair i * 256 + j: bytes i, j
+    want = torch.stack([E4M3.repeat_interleave(256), E4M3.repeat(256)])  # pair i * 256 + j: bytes i, j
     finite = ~want.isnan()
     assert torch.equal(got[finite], want[finite])
     assert torch.equal(got[finite].signbit(), want[finite].signbit())
 
 
 def test_the_gemv_bit_rule_gives_every_e4m3_value():
-    """:func:`compile_ops._triton_quant.e4m3_to_fp32_bits`'s PTX on every byte of each of
-    the four positions of a packed register: ``prmt`` puts the byte in bits 31:24, an
-    arithmetic shift right by 4 and the mask ``0x87F00000`` leave fp32's bits, whose value
-    times ``2**120`` is the e4m3 value (NaN bytes aside), subnormals and ``-0`` included."""
+    """:func:`compile_ops._triton_quant.e4m3_to_fp32`'s PTX on every pair of bytes at both
+    pair positions of a packed register: ``prmt`` builds each half as the byte below a copy
+    of its sign, a shift left by 7 and the mask ``0xBF80`` leave f16's bits, and each half
+    (widened to fp32, exactly) times ``2**8`` is the e4m3 value (NaN bytes aside),
+    subnormals and ``-0`` included."""
     b = np.arange(256, dtype=np.uint32)
-    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    finite = ~e4m3.isnan()
-    for j in range(4):
-        word = b << (8 * j)  # the byte at position j of the register, the others zero
-        source = [(word >> (8 * i)) & 0xFF for i in range(4)] + [np.zeros_like(word)] * 4
-        t = sum(source[((j << 12 | 0x444) >> (4 * i)) & 7] << (8 * i) for i in range(4))  # prmt t, $4, 0, 0xj444
-        bits = (t.astype(np.int32) >> 4) & np.int32(-0x78100000)  # shr.s32 4; and 0x87F00000
-        got = torch.from_numpy(bits.view(np.float32).copy()).double() * 2.0**120
-        assert torch.equal(got[finite], e4m3[finite])
-        assert torch.equal(got[finite].signbit(), e4m3[finite].signbit())
+    pair = (b[:, None] | (b[None, :] << 8)).reshape(-1)
+    want = torch.stack([E4M3.repeat_interleave(256), E4M3.repeat(256)])  # pair i * 256 + j: bytes i, j
+    finite = ~want.isnan()
+    for shift, selector in ((0, 0x9180), (16, 0xB3A2)):  # bytes 0, 1 and bytes 2, 3 of the register
+        t = (_prmt(pair << shift, selector) << 7) & 0xBF80BF80  # prmt, shl 7, and
+        halves = np.stack([t & 0xFFFF, t >> 16]).astype(np.uint16).view(np.float16)
+        got = torch.from_numpy(halves.astype(np.float32)).double() * 2.0**8  # cvt.f32.f16
+        assert torch.equal(got[finite], want[finite])
+        assert torch.equal(got[finite].signbit(), want[finite].signbit())
 
 
 @pytest.mark.gpu

@@ -16,8 +16,9 @@
   is weight-only: bf16 tokens against the weight tile dequantized in registers, in the tiles
   of :func:`weight_only_tile` for 32-blocks.
   A call of :data:`GEMV_TOKENS` tokens is a GEMV on the CUDA cores instead
-  (``_fp8_gemv_kernel``, tiles of :func:`gemv_tile`): each e4m3 byte widened to fp32's bits
-  (:func:`compile_ops._triton_quant.e4m3_to_fp32_bits`) and one fp32 FMA per weight value.
+  (``_fp8_gemv_kernel``, tiles of :func:`gemv_tile`): each e4m3 byte widened to fp32 through
+  an f16 pair (:func:`compile_ops._triton_quant.e4m3_to_fp32`) and one fp32 FMA per weight
+  value.
 
 The quantizer rounds to e4m3 in fp32 arithmetic (:mod:`compile_ops._triton_quant`), so it
 equals ``quantize_tokens`` bit for bit on the GPU and in the interpreter alike. Both run on CUDA tensors, or on CPU
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from compile_ops._launch import INTERPRET, launchable
-from compile_ops._triton_quant import e4m3_to_bf16, e4m3_to_fp32_bits, round_to_e4m3
+from compile_ops._triton_quant import e4m3_to_bf16, e4m3_to_bf16_bits, e4m3_to_fp32, round_to_e4m3
 from compile_ops.linear.quant import BLOCK, E4M3_MAX, TILE_N, layout_of_block, layout_of_scale
 
 # enough programs to cover the H200's 132 SMs twice; fewer tiles than this split K
@@ -155,12 +156,14 @@ def _fp8_gemm_kernel(
             o_kb = i * KB + tl.arange(0, KB)
             e = tl.load(b_s + o_nb[:, None] * stride_bs + o_kb[None, :],
                         mask=(o_nb * SB < N)[:, None] & (o_kb * SB < K)[None, :], other=0).to(tl.int32)
-            scale = tl.reshape(tl.broadcast_to(tl.reshape((e << 23).to(tl.float32, bitcast=True), [NB, 1, KB, 1]),
-                                               [NB, SB, KB, SB]), [BN, BK])
+            # the weights' 2 ** 120 split between the scale (2 ** 64, in its exponent) and the
+            # sum (2 ** 56): exact for scales of 2 ** -68 .. 2 ** 63 and |y| past 2 ** -70
+            scale = tl.reshape(tl.broadcast_to(tl.reshape(((e + 64) << 23).to(tl.float32, bitcast=True),
+                                                          [NB, 1, KB, 1]), [NB, SB, KB, SB]), [BN, BK])
             if UPCAST:  # the interpreter's bf16 products are not bf16's: take them in fp32
-                t_a, w = t_a.to(tl.float32), t_b.to(tl.float32) * scale
+                t_a, w = t_a.to(tl.float32), t_b.to(tl.float32) * 7.52316384526264e-37 * scale  # 2 ** -120
             else:
-                w = e4m3_to_bf16(t_b) * scale.to(tl.bfloat16)
+                w = e4m3_to_bf16_bits(t_b) * scale.to(tl.bfloat16)
             if SWAP:
                 acc += tl.dot(w, tl.trans(t_a))
             else:
@@ -179,6 +182,8 @@ def _fp8_gemm_kernel(
             acc += part * s_a[:, None] * s_b[None, :]
     if SWAP:
         acc = tl.trans(acc)
+    if SB > 0:
+        acc = acc * 72057594037927936.0  # 2 ** 56
     out = c + o_m[:, None].to(tl.int64) * stride_cm + o_n[None, :]
     if PARTIAL:
         tl.store(out + i_s.to(tl.int64) * M * N, acc, mask=m_m[:, None] & m_n[None, :])
@@ -195,7 +200,7 @@ def _fp8_gemv_kernel(
     # program (m, n, s): token m's outputs of weight rows n * BN .., over split s of the BK
     # blocks of K, on the CUDA cores (fp32 FMAs). BN divides SB: the tile's rows share one
     # row of scales, folded into the token's values once per step, so each weight element
-    # costs its three-instruction widening and one FMA. Each thread's 16 consecutive
+    # costs its widening (two instructions a pair, then one each) and one FMA. Each thread's 16 consecutive
     # products are summed in registers (one accumulator per 16 columns, not per column)
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -213,17 +218,15 @@ def _fp8_gemv_kernel(
             scale = (tl.load(s_row + k // SB, mask=m_k, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
         else:
             scale = tl.load(s_row + k // SB, mask=m_k, other=0.0)
-        # the weights' 2 ** 120 split between the token (2 ** 64) and the sum (2 ** 56): that
-        # overflows only past |token * scale| = 2 ** 64 and underflows only below |y| = 2 ** -70
-        xs = tl.load(x + k, mask=m_k, other=0.0).to(tl.float32) * (scale * 18446744073709551616.0)
+        xs = tl.load(x + k, mask=m_k, other=0.0).to(tl.float32) * scale
         t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=m_n[:, None] & m_k[None, :],
                       other=0.0)
         if UPCAST:
-            w_bits = t_w.to(tl.float32) * 7.52316384526264e-37  # 2 ** -120
+            w_2 = t_w.to(tl.float32) * 0.00390625  # 2 ** -8
         else:
-            w_bits = e4m3_to_fp32_bits(t_w)
-        acc += tl.sum(tl.reshape(w_bits * xs[None, :], [BN, BK // 16, 16]), axis=2)
-    y = tl.sum(acc, axis=1) * 72057594037927936.0  # 2 ** 56
+            w_2 = e4m3_to_fp32(t_w)
+        acc += tl.sum(tl.reshape(w_2 * xs[None, :], [BN, BK // 16, 16]), axis=2)
+    y = tl.sum(acc, axis=1) * 256.0
     out = c + i_m.to(tl.int64) * stride_cm + o_n
     if PARTIAL:
         tl.store(out + i_s.to(tl.int64) * M * N, y, mask=m_n)
