@@ -240,10 +240,11 @@ for sb, bm, bn, bk, swap in ((0, 16, 128, 128, False), (32, 16, 64, 128, True), 
 gemv = {"x": "*bf16", "w": "*fp8e4nv", "w_s": "", "c": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
         "stride_wn": "i32", "stride_sn": "i32", "stride_cm": "i32", "GROUP_N": "i32", "BLOCKS_PER_SPLIT": "i32",
         "BN": "constexpr", "BK": "constexpr", "SB": "constexpr", "ITERS": "constexpr", "PARTIAL": "constexpr",
-        "E8M0": "constexpr", "UPCAST": "constexpr"}
-for sb, scale in ((128, "*fp32"), (32, "*u8")):
+        "E8M0": "constexpr", "UPCAST": "constexpr", "EVEN": "constexpr"}
+for sb, scale in ((128, "*fp32"), (32, "*u8")):  # (masked loads with 128-blocks, unmasked with 32-blocks)
     ptx = build(kernels._fp8_gemv_kernel, {**gemv, "w_s": scale},
-                {"BN": 16, "BK": 512, "SB": sb, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "UPCAST": False})
+                {"BN": 16, "BK": 512, "SB": sb, "ITERS": 0, "PARTIAL": True, "E8M0": sb == 32, "UPCAST": False,
+                 "EVEN": sb == 32})
     print(f"gemv{sb}", "fma.rn.f32" in ptx and ".ftz" not in ptx and "e4m3x2" not in ptx and "mma" not in ptx)
 quant = {"x": "*bf16", "q": "*fp8e4nv", "s": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
          "BM": "constexpr", "BK": "constexpr", "QMAX": "constexpr", "POW2": "constexpr", "ROUNDED": "constexpr"}
@@ -262,9 +263,10 @@ print("dequant32", "e4m3x2" not in ptx and "cvt.bf16.f16" not in ptx)
 # the bf16 GEMV of one token: fp32 FMAs on the CUDA cores, into fp32 and bf16 outputs
 bf16_gemv = {"x": "*bf16", "w": "*bf16", "c": "*fp32", "N": "i32", "K": "i32", "stride_xk": "i32", "stride_wn": "i32",
              "BLOCKS_PER_SPLIT": "i32", "BN": "constexpr", "BK": "constexpr", "ITERS": "constexpr",
-             "PARTIAL": "constexpr"}
-for c in ("*fp32", "*bf16"):
-    ptx = build(kernels._bf16_gemv_kernel, {**bf16_gemv, "c": c}, {"BN": 8, "BK": 1024, "ITERS": 0, "PARTIAL": False})
+             "PARTIAL": "constexpr", "EVEN": "constexpr"}
+for c in ("*fp32", "*bf16"):  # (unmasked loads into fp32, masked into bf16)
+    ptx = build(kernels._bf16_gemv_kernel, {**bf16_gemv, "c": c},
+                {"BN": 8, "BK": 1024, "ITERS": 0, "PARTIAL": False, "EVEN": c == "*fp32"})
     print(f"bf16gemv{c[1:]}", "fma.rn.f32" in ptx and "mma" not in ptx)
 """
 

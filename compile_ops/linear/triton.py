@@ -195,17 +195,21 @@ def _fp8_gemm_kernel(
 def _fp8_gemv_kernel(
     x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, stride_cm, GROUP_N, BLOCKS_PER_SPLIT,
     BN: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, ITERS: tl.constexpr, PARTIAL: tl.constexpr,
-    E8M0: tl.constexpr, UPCAST: tl.constexpr,
+    E8M0: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
 ):
     # program (m, n, s): token m's outputs of weight rows n * BN .., over split s of the BK
-    # blocks of K, on the CUDA cores (fp32 FMAs). BN divides SB: the tile's rows share one
-    # row of scales, folded into the token's values once per step, so each weight element
-    # costs its widening (two instructions a pair, then one each) and one FMA. Each thread's 16 consecutive
-    # products are summed in registers (one accumulator per 16 columns, not per column)
+    # blocks of K, on the CUDA cores (fp32 FMAs). The token's values are loaded in the
+    # weight tile's own layout (each thread the columns of its weight bytes, the rows
+    # broadcast), so no step exchanges them through shared memory behind a barrier. Each
+    # weight element costs its widening (two instructions a pair, then one each) and one
+    # FMA; each thread's 16 consecutive products are summed in registers, and the sum takes
+    # its block scale (BN divides SB: the tile's rows share one row of scales; 16 divides SB)
     i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_n = i_n * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
+    o_16 = tl.arange(0, BK // 16) * 16
     m_n = o_n < N
+    rows = tl.zeros([BN, 1], tl.int32)  # broadcasts the token's columns over the tile's rows
     i_g = (i_n * BN) // GROUP_N  # grouped: this tile's group reads its own K columns of x
     x += i_m.to(tl.int64) * stride_xm + i_g.to(tl.int64) * K
     s_row = w_s + ((i_n * BN) // SB).to(tl.int64) * stride_sn
@@ -214,18 +218,24 @@ def _fp8_gemv_kernel(
     for j in range(0, ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)):
         k = (first + j) * BK + o_k
         m_k = k < K
-        if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
-            scale = (tl.load(s_row + k // SB, mask=m_k, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        if EVEN:  # no masks: the loads of the token's columns stay one per thread
+            t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :])
+            xs = tl.load(x + (k[None, :] + rows)).to(tl.float32)
         else:
-            scale = tl.load(s_row + k // SB, mask=m_k, other=0.0)
-        xs = tl.load(x + k, mask=m_k, other=0.0).to(tl.float32) * scale
-        t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=m_n[:, None] & m_k[None, :],
-                      other=0.0)
+            t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :],
+                          mask=m_n[:, None] & m_k[None, :], other=0.0)
+            xs = tl.load(x + (k[None, :] + rows), mask=m_k[None, :] & (rows == 0), other=0.0).to(tl.float32)
+        k_16 = (first + j) * BK + o_16
+        if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
+            scale = (tl.load(s_row + k_16 // SB, mask=k_16 < K, other=0).to(tl.int32) << 23).to(tl.float32,
+                                                                                            bitcast=True)
+        else:
+            scale = tl.load(s_row + k_16 // SB, mask=k_16 < K, other=0.0)
         if UPCAST:
             w_2 = t_w.to(tl.float32) * 0.00390625  # 2 ** -8
         else:
             w_2 = e4m3_to_fp32(t_w)
-        acc += tl.sum(tl.reshape(w_2 * xs[None, :], [BN, BK // 16, 16]), axis=2)
+        acc += tl.sum(tl.reshape(w_2 * xs, [BN, BK // 16, 16]), axis=2) * scale[None, :]
     y = tl.sum(acc, axis=1) * 256.0
     out = c + i_m.to(tl.int64) * stride_cm + o_n
     if PARTIAL:
@@ -236,23 +246,30 @@ def _fp8_gemv_kernel(
 
 @triton.jit
 def _bf16_gemv_kernel(x, w, c, N, K, stride_xk, stride_wn, BLOCKS_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr,
-                      ITERS: tl.constexpr, PARTIAL: tl.constexpr):
+                      ITERS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr):
     # program (n, s): one token's outputs of weight rows n * BN .., over split s of the BK
-    # steps of K, on the CUDA cores (fp32 FMAs); each thread's 16 consecutive products are
-    # summed in registers, as in _fp8_gemv_kernel
+    # steps of K, on the CUDA cores (fp32 FMAs); the token's values loaded in the weight
+    # tile's layout and each thread's 16 consecutive products summed in registers, as in
+    # _fp8_gemv_kernel
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
     m_n = o_n < N
+    rows = tl.zeros([BN, 1], tl.int64)  # broadcasts the token's columns over the tile's rows
     acc = tl.zeros([BN, BK // 16], tl.float32)
     first = i_s * BLOCKS_PER_SPLIT
     for j in range(0, ITERS if ITERS > 0 else tl.minimum(BLOCKS_PER_SPLIT, tl.cdiv(K, BK) - first)):
         k = (first + j) * BK + o_k
         m_k = k < K
-        xs = tl.load(x + k.to(tl.int64) * stride_xk, mask=m_k, other=0.0).to(tl.float32)
-        t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=m_n[:, None] & m_k[None, :],
-                      other=0.0).to(tl.float32)
-        acc += tl.sum(tl.reshape(t_w * xs[None, :], [BN, BK // 16, 16]), axis=2)
+        if EVEN:  # no masks: the loads of the token's columns stay one per thread
+            xs = tl.load(x + (k[None, :].to(tl.int64) * stride_xk + rows)).to(tl.float32)
+            t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :]).to(tl.float32)
+        else:
+            xs = tl.load(x + (k[None, :].to(tl.int64) * stride_xk + rows), mask=m_k[None, :] & (rows == 0),
+                         other=0.0).to(tl.float32)
+            t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=m_n[:, None] & m_k[None, :],
+                          other=0.0).to(tl.float32)
+        acc += tl.sum(tl.reshape(t_w * xs, [BN, BK // 16, 16]), axis=2)
     y = tl.sum(acc, axis=1)
     if PARTIAL:
         tl.store(c + i_s.to(tl.int64) * N + o_n, y, mask=m_n)
@@ -274,7 +291,7 @@ def bf16_gemv_triton(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
     target = _split_target(splits, 1, N, out)
     launchable(_bf16_gemv_kernel, x)[(triton.cdiv(N, BN), splits)](
         x, weight, target, N, K, x.stride(1), weight.stride(0), per_split, BN=BN, BK=BK,
-        ITERS=per_split if INTERPRET else 0, PARTIAL=splits > 1, num_warps=4)
+        ITERS=per_split if INTERPRET else 0, PARTIAL=splits > 1, EVEN=N % BN == 0 and K % BK == 0, num_warps=4)
     return _sum_splits(target, out)
 
 
@@ -376,7 +393,8 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         launchable(_fp8_gemv_kernel, x)[(M, triton.cdiv(N, BN), splits)](
             xq, weight, weight_scale, target, M, N, K, xq.stride(0), weight.stride(0), weight_scale.stride(0), N,
             N // groups, per_split, BN=BN, BK=BK, SB=block, ITERS=per_split if INTERPRET else 0,
-            PARTIAL=splits > 1, E8M0=layout.power_of_two, UPCAST=INTERPRET, num_warps=4)
+            PARTIAL=splits > 1, E8M0=layout.power_of_two, UPCAST=INTERPRET, EVEN=N % BN == 0 and K % BK == 0,
+            num_warps=4)
         return _sum_splits(target, out)
     # a weight-only call of 32-blocks steps through K several scale blocks per dot
     wide = weight_only and layout.power_of_two
