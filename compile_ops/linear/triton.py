@@ -44,6 +44,7 @@ QUANT_ROWS = 16  # token rows per program of the quantizer
 # from two tokens on the MMA path is faster (docs/performance-decode.md has the sweep)
 GEMV_TOKENS = 1
 GEMV_PROGRAMS = 3 * TARGET_PROGRAMS // 2  # three per SM
+GEMV_STEP = 8192  # weights per program and K step: more rows a step held a program's loads longer
 # a bf16 weight row is twice an e4m3 one: the bf16 GEMV's tiles hold 8 rows at most (the
 # best of an H100 sweep of 8-32 rows, 512-1024 wide K steps, 1-4 splits, 4-8 warps)
 BF16_GEMV_ROWS = 8
@@ -336,14 +337,15 @@ def _sum_splits_kernel(partials, c, MN, SPLITS: tl.constexpr, BLOCK_SIZE: tl.con
 
 
 def gemv_tile(N: int, K: int, rows: int = 32) -> tuple[int, int]:
-    """``(BN, BK)`` of a call of :data:`GEMV_TOKENS` tokens, the best of H200 sweeps
-    (``docs/performance-decode.md``): weight rows per program, the most up to ``rows`` that
-    leave :data:`GEMV_PROGRAMS` programs per token; K per step, the widest of 1024 / 512 /
-    256 that divides K (a partial last step idles lanes on every row)."""
-    BN = rows
+    """``(BN, BK)`` of a call of :data:`GEMV_TOKENS` tokens, the best of H100 / H200 sweeps
+    (``docs/performance-decode.md``): K per step, the widest of 1024 / 512 / 256 that
+    divides K (a partial last step idles lanes on every row); weight rows per program, the
+    most up to ``rows`` that leave :data:`GEMV_PROGRAMS` programs per token and a step of at
+    most :data:`GEMV_STEP` weights."""
+    BK = next((bk for bk in (1024, 512) if K % bk == 0), 256)
+    BN = min(rows, GEMV_STEP // BK)
     while BN > 4 and triton.cdiv(N, BN) < GEMV_PROGRAMS:
         BN //= 2
-    BK = next((bk for bk in (1024, 512) if K % bk == 0), 256)
     return BN, BK
 
 
