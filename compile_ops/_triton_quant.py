@@ -214,9 +214,8 @@ def e4m3_to_fp32(x):
     subnormals are e4m3's times ``2**-8``). f16 -> fp32 is exact and runs on the FMA pipe,
     as does the shift (a multiply), so the integer pipe, which retires half as many
     instructions per clock, does one per element, where moving each byte into fp32's bits
-    directly takes three. The
-    caller folds the ``2**8`` into the other factor. The e4m3 NaN byte comes out as
-    ``480 * 2**-8``: weights hold none.
+    directly takes three. The caller folds the ``2**8`` into the other factor. The e4m3 NaN
+    byte comes out as ``480 * 2**-8``: weights hold none.
     """
     return tl.inline_asm_elementwise(_E4M3X4_TO_FP32, "=r,=r,=r,=r,r", [x.to(tl.uint8, bitcast=True)],
                                      dtype=tl.float32, is_pure=True, pack=4)

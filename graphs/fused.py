@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from compile_ops.linear import bf16_linear, fp8_linear
-from graphs.rope import rope_heads_
+from graphs.rope import _check_heads, rope_heads_
 
 
 class StackedRows(NamedTuple):
@@ -199,7 +199,10 @@ def _check_turned(weight: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], 
 @mm_beside.register_fake
 def _(x, weight, scale, cos=None, sin=None, turned=0, head_dim=0):
     _check_turned(weight, cos, sin, turned)
-    return x.new_empty(x.shape[0], weight.shape[0])
+    y = x.new_empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    if turned:  # the turn's own checks, as the op's rope_heads_ makes them
+        _check_heads(y[:, :turned], cos, sin, head_dim)
+    return y
 
 
 @torch.library.custom_op("graphs::mm_side_by_side", mutates_args=())

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphs import TINY, TINY_V41, DSV41Attention
 from compile_ops.linear import fp8_linear
@@ -126,6 +127,13 @@ def test_the_q_projection_beside_turns_its_heads(weights):
         torch.ops.graphs.mm_beside(qr, weight, scale, cos, sin, weight.shape[0] + D, D)
     with pytest.raises(ValueError, match="need cos and sin"):
         torch.ops.graphs.mm_beside(qr, weight, scale, None, None, D, D)
+    with FakeTensorMode() as mode:  # the fake kernel refuses a turn the op's rope refuses
+        fake = [mode.from_tensor(t) for t in (qr, weight, cos, sin)]
+        with pytest.raises(ValueError, match="whole heads"):
+            torch.ops.graphs.mm_beside(fake[0], fake[1], None if scale is None else mode.from_tensor(scale),
+                                       fake[2], fake[3], D + 1, D)
+    with pytest.raises(ValueError, match="whole heads"):
+        torch.ops.graphs.mm_beside(qr, weight, scale, cos, sin, D + 1, D)
     assert P == cos.shape[1]
 
 

@@ -225,7 +225,7 @@ def _fp8_gemv_kernel(
         else:
             t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :],
                           mask=m_n[:, None] & m_k[None, :], other=0.0)
-            xs = tl.load(x + (k[None, :] + rows), mask=m_k[None, :] & (rows == 0), other=0.0).to(tl.float32)
+            xs = tl.load(x + (k[None, :] + rows), mask=m_k[None, :], other=0.0).to(tl.float32)
         k_16 = (first + j) * BK + o_16
         if E8M0:  # a ue8m0 byte e is 2 ** (e - 127): e as an fp32 exponent field
             scale = (tl.load(s_row + k_16 // SB, mask=k_16 < K, other=0).to(tl.int32) << 23).to(tl.float32,
@@ -266,7 +266,7 @@ def _bf16_gemv_kernel(x, w, c, N, K, stride_xk, stride_wn, BLOCKS_PER_SPLIT, BN:
             xs = tl.load(x + (k[None, :].to(tl.int64) * stride_xk + rows)).to(tl.float32)
             t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :]).to(tl.float32)
         else:
-            xs = tl.load(x + (k[None, :].to(tl.int64) * stride_xk + rows), mask=m_k[None, :] & (rows == 0),
+            xs = tl.load(x + (k[None, :].to(tl.int64) * stride_xk + rows), mask=m_k[None, :],
                          other=0.0).to(tl.float32)
             t_w = tl.load(w + o_n[:, None].to(tl.int64) * stride_wn + k[None, :], mask=m_n[:, None] & m_k[None, :],
                           other=0.0).to(tl.float32)
