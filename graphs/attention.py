@@ -795,7 +795,7 @@ class DSV41Attention(nn.Module):
         # what the other writes, and the GEMM leaves SMs free for the writes' small kernels.
         # V4.1 does not normalise q's heads: they are turned in place in the GEMM's output,
         # after it on the side stream.
-        turn = TurnedHeads("wq_b", cos, sin, D) if self.cfg.v41 else None
+        turn = TurnedHeads("wq_b", self.rope_cos, self.rope_sin, inp.positions, D) if self.cfg.v41 else None
         q_stacks = project_beside(self, self.stacks["q"], qr, turn)
         self._write_caches(xs, inp, cos, sin, x.dtype)
         join_beside(q_stacks)

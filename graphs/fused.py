@@ -102,12 +102,16 @@ def _stack_product(x: Tensor, weight: Tensor, scale: Optional[Tensor], fp32: boo
 class TurnedHeads(NamedTuple):
     """Heads of a projection that :func:`project_beside` turns after its GEMM: ``name``, the
     first projection of its stack, whose output is heads of ``head_dim`` (bf16, a power of
-    two) with their last ``2P`` dims turned by ``cos, sin [T, P]`` fp32
-    (:func:`graphs.rope.rope_heads_`)."""
+    two) with their last ``2P`` dims turned by the rows ``positions [T]`` (int32 / int64,
+    ``-1`` for padding) of the tables ``cos, sin [S, P]`` fp32
+    (:func:`graphs.rope.rope_heads_`). The side stream reads the tables and positions after
+    the current stream has gone on: pass the module's tables and the step's input positions,
+    never tensors computed in the step (a compiler may hand those buffers to later work)."""
 
     name: str
     cos: Tensor
     sin: Tensor
+    positions: Tensor
     head_dim: int
 
 
@@ -123,8 +127,8 @@ def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: 
     ys = []
     for s in stacks:
         if turn is not None and s.names[0] == turn.name:
-            ys.append(torch.ops.graphs.mm_beside(x, *_weights(module, s), turn.cos, turn.sin, s.widths[0],
-                                                 turn.head_dim))
+            ys.append(torch.ops.graphs.mm_beside(x, *_weights(module, s), turn.cos, turn.sin, turn.positions,
+                                                 s.widths[0], turn.head_dim))
         else:
             ys.append(torch.ops.graphs.mm_beside(x, *_weights(module, s)))
     return ys
@@ -154,21 +158,25 @@ def side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
 
 @torch.library.custom_op("graphs::mm_beside", mutates_args=())
 def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor], cos: Optional[Tensor] = None,
-              sin: Optional[Tensor] = None, turned: int = 0, head_dim: int = 0) -> Tensor:
+              sin: Optional[Tensor] = None, positions: Optional[Tensor] = None, turned: int = 0,
+              head_dim: int = 0) -> Tensor:
     """``x [T, in] @ weight [out, in]^T`` -> bf16 ``[T, out]`` (``scale``: an e4m3 weight's
     block scales, :func:`compile_ops.linear.fp8_linear`), on :func:`side_stream` after the
     work queued so far on the current stream; read it after ``graphs::join_beside``.
     ``turned > 0``: its first ``turned`` columns are heads of ``head_dim``, turned in place
-    after the GEMM by ``cos, sin [T, P]`` (:func:`graphs.rope.rope_heads_`), on the side
-    stream too (the turn then leaves the path of the work beside it)."""
-    _check_turned(weight, cos, sin, turned)
+    after the GEMM by the rows ``positions [T]`` of the tables ``cos, sin [S, P]``
+    (:func:`graphs.rope.rope_heads_`), on the side stream too (the turn then leaves the path
+    of the work beside it). The side stream reads ``x`` (held for it from the allocator)
+    and the turn's tables and positions after the op returns: those must not be buffers a
+    compiler may reuse within the step (:class:`TurnedHeads`)."""
+    _check_turned(weight, cos, sin, positions, turned)
     side = side_stream(x.device)
     if side is None:
-        return _turned_product(x, weight, scale, cos, sin, turned, head_dim)
+        return _turned_product(x, weight, scale, cos, sin, positions, turned, head_dim)
     main = torch.cuda.current_stream(x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        y = _turned_product(x, weight, scale, cos, sin, turned, head_dim)
+        y = _turned_product(x, weight, scale, cos, sin, positions, turned, head_dim)
     # neither block is handed out again while the other stream may still use it
     x.record_stream(side)
     y.record_stream(main)
@@ -182,26 +190,27 @@ def _product(x: Tensor, weight: Tensor, scale: Optional[Tensor]) -> Tensor:
 
 
 def _turned_product(x: Tensor, weight: Tensor, scale: Optional[Tensor], cos: Optional[Tensor],
-                    sin: Optional[Tensor], turned: int, head_dim: int) -> Tensor:
+                    sin: Optional[Tensor], positions: Optional[Tensor], turned: int, head_dim: int) -> Tensor:
     y = _product(x, weight, scale)
     if turned:
-        rope_heads_(y[:, :turned], cos, sin, head_dim)
+        rope_heads_(y[:, :turned], cos, sin, head_dim, positions=positions)
     return y
 
 
-def _check_turned(weight: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], turned: int) -> None:
+def _check_turned(weight: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], positions: Optional[Tensor],
+                  turned: int) -> None:
     if turned < 0 or turned > weight.shape[0]:
         raise ValueError(f"turned must be 0 .. weight's {weight.shape[0]} rows, got {turned}")
-    if turned and (cos is None or sin is None):
-        raise ValueError("turned columns need cos and sin")
+    if turned and (cos is None or sin is None or positions is None):
+        raise ValueError("turned columns need the tables cos and sin and the positions")
 
 
 @mm_beside.register_fake
-def _(x, weight, scale, cos=None, sin=None, turned=0, head_dim=0):
-    _check_turned(weight, cos, sin, turned)
+def _(x, weight, scale, cos=None, sin=None, positions=None, turned=0, head_dim=0):
+    _check_turned(weight, cos, sin, positions, turned)
     y = x.new_empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
     if turned:  # the turn's own checks, as the op's rope_heads_ makes them
-        _check_heads(y[:, :turned], cos, sin, head_dim)
+        _check_heads(y[:, :turned], cos, sin, head_dim, positions)
     return y
 
 

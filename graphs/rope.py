@@ -14,6 +14,7 @@ dynamic-token step, and that choice for one token then serves every step size.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -79,37 +80,51 @@ def apply_rope_last(x: Tensor, rope_dim: int, cos: Tensor, sin: Tensor, inverse:
 
 
 @torch.library.custom_op("graphs::rope_heads_", mutates_args=("x",))
-def rope_heads_(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, inverse: bool = False) -> None:
+def rope_heads_(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, inverse: bool = False,
+                positions: Optional[Tensor] = None) -> None:
     """The last ``2P`` dims of each head of ``x [T, H * head_dim]`` (bf16, rows of any stride,
     unit column stride; ``2P`` a power of two) turned in place by ``cos, sin [T, P]`` fp32
     in fp32 (``inverse``: the other way), back to bf16: ``apply_rope_last`` of
     ``x.float().view(T, H, head_dim)``, rounded to bf16. The other dims are not read or
     written, so the op moves ``2P / head_dim`` of the bytes a rotated copy of the heads
-    would (V4.1's q and attention output: 64 of 512 dims)."""
-    rope = _check_heads(x, cos, sin, head_dim)
+    would (V4.1's q and attention output: 64 of 512 dims).
+
+    ``positions [T]`` int32 / int64: ``cos, sin`` are tables ``[S, P]`` and token ``t``
+    turns by their row ``positions[t]``, clamped to ``0 .. S - 1`` (padding's ``-1`` reads
+    row 0), looked up inside the op's kernel."""
+    rope = _check_heads(x, cos, sin, head_dim, positions)
     if x.is_cuda:
         from graphs.rope_triton import rope_heads_triton
 
-        rope_heads_triton(x, cos.contiguous(), sin.contiguous(), head_dim, inverse)
+        rope_heads_triton(x, cos.contiguous(), sin.contiguous(), head_dim, inverse, positions)
         return
+    if positions is not None:
+        rows = positions.long().clamp(0, cos.shape[0] - 1)
+        cos, sin = cos[rows], sin[rows]
     heads = x.view(x.shape[0], -1, head_dim)[..., head_dim - rope:]  # (a view of x: written in place)
     heads.copy_(apply_rope(heads.float(), cos, sin, inverse))
 
 
 @rope_heads_.register_fake
-def _(x, cos, sin, head_dim, inverse=False):
-    _check_heads(x, cos, sin, head_dim)
+def _(x, cos, sin, head_dim, inverse=False, positions=None):
+    _check_heads(x, cos, sin, head_dim, positions)
 
 
-def _check_heads(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> int:
+def _check_heads(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int, positions: Optional[Tensor] = None) -> int:
     """:func:`rope_heads_`'s checks; returns ``2P``, the turned dims of a head."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H * head_dim] bf16 with unit column stride, got {x.dtype} "
                          f"{list(x.shape)} stride {x.stride()}")
     if x.shape[1] % head_dim or head_dim & (head_dim - 1):
         raise ValueError(f"x's width {x.shape[1]} must be whole heads of a power-of-two head_dim, got {head_dim}")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0] or 2 * cos.shape[1] > head_dim:
-        raise ValueError(f"cos and sin must be [T, P] with T = {x.shape[0]} and 2P <= head_dim = {head_dim}, got "
+    if positions is not None and (positions.shape != (x.shape[0],) or positions.dtype not in (torch.int32, torch.int64)
+                                  or positions.device != x.device):
+        raise ValueError(f"positions must be [T] int32 or int64 with T = {x.shape[0]} on x's device {x.device}, "
+                         f"got {positions.dtype} {list(positions.shape)} on {positions.device}")
+    if cos.shape != sin.shape or cos.dim() != 2 or 2 * cos.shape[1] > head_dim \
+            or (cos.shape[0] != x.shape[0] if positions is None else not cos.shape[0]):
+        want = "[T, P] with T = " + str(x.shape[0]) if positions is None else "tables [S, P] with S >= 1"
+        raise ValueError(f"cos and sin must be {want} and 2P <= head_dim = {head_dim}, got "
                          f"{list(cos.shape)} and {list(sin.shape)}")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError(f"cos and sin must be fp32, got {cos.dtype} and {sin.dtype}")

@@ -102,16 +102,18 @@ def test_the_q_projection_beside_equals_the_plain_one(weights):
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
 def test_the_q_projection_beside_turns_its_heads(weights):
     """``project_beside`` given ``TurnedHeads("wq_b", ...)`` (V4.1's q heads, turned after
-    the GEMM on the side stream on CUDA) gives ``project``'s columns with ``wq_b``'s heads
-    turned by ``rope_heads_`` and the other columns untouched; the op's fake kernel matches
+    the GEMM on the side stream on CUDA, their angles looked up by position there) gives
+    ``project``'s columns with ``wq_b``'s heads turned by ``rope_heads_`` and the other
+    columns untouched; the op's fake kernel matches
     (``opcheck``); a projection that is not first in its stack, or turned columns past the
     weight's rows or without angles, are refused."""
     layer = DSV41Attention(V41, CACHE, 2, weights=weights, seed=3)
     T, D, P = 3, layer.head_dim, layer.rope_dim // 2
     qr = torch.randn(T, layer.cfg.q_lora_rank).to(torch.bfloat16)
-    cos, sin = layer.rope_cos[torch.tensor([5, 9, 40])], layer.rope_sin[torch.tensor([5, 9, 40])]
+    tables, positions = (layer.rope_cos, layer.rope_sin), torch.tensor([5, 9, -1], dtype=torch.int32)
+    cos, sin = (t[positions.long().clamp(min=0)] for t in tables)
     stacks = layer.stacks["q"]
-    ys = project_beside(layer, stacks, qr, TurnedHeads("wq_b", cos, sin, D))
+    ys = project_beside(layer, stacks, qr, TurnedHeads("wq_b", *tables, positions, D))
     join_beside(ys)
     got, want = columns(stacks, ys), project(layer, stacks, qr)
     assert not torch.equal(got["wq_b"], want["wq_b"])
@@ -120,20 +122,22 @@ def test_the_q_projection_beside_turns_its_heads(weights):
         assert torch.equal(got[name], want[name]), name
     s = stacks[0]
     weight, scale = getattr(layer, s.weight), None if s.scale is None else getattr(layer, s.scale)
-    opcheck(torch.ops.graphs.mm_beside.default, (qr, weight, scale, cos, sin, s.widths[0], D))
+    opcheck(torch.ops.graphs.mm_beside.default, (qr, weight, scale, *tables, positions, s.widths[0], D))
     with pytest.raises(ValueError, match="first projection of a stack"):
-        project_beside(layer, stacks, qr, TurnedHeads("indexer.wq_b", cos, sin, D))
+        project_beside(layer, stacks, qr, TurnedHeads("indexer.wq_b", *tables, positions, D))
     with pytest.raises(ValueError, match="turned must be"):
-        torch.ops.graphs.mm_beside(qr, weight, scale, cos, sin, weight.shape[0] + D, D)
-    with pytest.raises(ValueError, match="need cos and sin"):
-        torch.ops.graphs.mm_beside(qr, weight, scale, None, None, D, D)
+        torch.ops.graphs.mm_beside(qr, weight, scale, *tables, positions, weight.shape[0] + D, D)
+    with pytest.raises(ValueError, match="need the tables"):
+        torch.ops.graphs.mm_beside(qr, weight, scale, *tables, None, D, D)
     with FakeTensorMode() as mode:  # the fake kernel refuses a turn the op's rope refuses
-        fake = [mode.from_tensor(t) for t in (qr, weight, cos, sin)]
+        fake = [mode.from_tensor(t) for t in (qr, weight, *tables, positions)]
         with pytest.raises(ValueError, match="whole heads"):
             torch.ops.graphs.mm_beside(fake[0], fake[1], None if scale is None else mode.from_tensor(scale),
-                                       fake[2], fake[3], D + 1, D)
+                                       fake[2], fake[3], fake[4], D + 1, D)
     with pytest.raises(ValueError, match="whole heads"):
-        torch.ops.graphs.mm_beside(qr, weight, scale, cos, sin, D + 1, D)
+        torch.ops.graphs.mm_beside(qr, weight, scale, *tables, positions, D + 1, D)
+    with pytest.raises(ValueError, match="positions must be"):
+        torch.ops.graphs.mm_beside(qr, weight, scale, *tables, positions[:2], s.widths[0], D)
     assert P == cos.shape[1]
 
 

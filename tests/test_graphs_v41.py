@@ -94,6 +94,37 @@ def test_the_compiled_v41_step_has_no_break_and_equals_eager():
     assert agree.passed, agree.verdict("compiled vs eager")
 
 
+def test_the_side_streams_turn_reads_only_what_outlives_the_step():
+    """On CUDA the q GEMM and the turn of its heads run on a side stream after the current
+    stream has gone on: a tensor computed in the step that the side stream reads could have
+    its buffer handed to later work by Inductor's memory planning (which knows no streams)
+    before the turn reads it. So the turn's angles are the layer's tables and the step's
+    input positions, graph inputs in the step's Dynamo graph (a view of one at most)."""
+    import operator
+
+    class Recorder:
+        graphs = []
+
+        def __call__(self, gm, example_inputs):
+            self.graphs.append(gm)
+            return gm
+
+    torch._dynamo.reset()
+    layer = DSV41Attention(TINY_V41, CacheConfig(4, 16, 64, 4), 2, seed=2)
+    runner = StepRunner(layer, (1, 4, 16), compile=True, backend=Recorder(), cuda_graphs=False)
+    work = mixed_workload([9, 4], 3, chunk=5, max_tokens=16, rows=2)
+    with torch.no_grad():
+        run_workload(runner.step, work, hidden_states(work, TINY_V41.dim), release=runner.release)
+    (gm,) = Recorder.graphs
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.graphs.mm_beside]
+    cos, sin, positions, turned = node.args[3:7]
+    assert turned == TINY_V41.n_heads * layer.head_dim
+    for arg in (cos, sin, positions):
+        while arg.op == "call_function" and arg.target is operator.getitem:
+            arg = arg.args[0]
+        assert arg.op == "placeholder", arg.format_node()
+
+
 def test_a_v41_config_is_read_as_v41():
     config = {"hidden_size": 64, "num_attention_heads": 4, "q_lora_rank": 32, "o_lora_rank": 32, "o_groups": 2,
               "sliding_window": 8, "index_n_heads": 2, "index_head_dim": 128, "index_topk": 8, "rms_norm_eps": 1e-20,

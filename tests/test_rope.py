@@ -69,6 +69,26 @@ def test_inverse_undoes_the_rotation():
     torch.testing.assert_close(got.float(), pairs, rtol=2**-7, atol=1e-6)
 
 
+def test_positions_look_the_angles_up_in_the_tables():
+    """With ``positions`` the op reads ``cos, sin`` as tables at each token's row (the kernel
+    and the CPU path): equal to turning by the rows gathered beforehand; ``-1`` (padding)
+    reads row 0 and a position past the tables their last row, never memory outside them."""
+    T, H, D = 6, 3, 64
+    cos, sin = (t.to(DEVICE) for t in rope_tables(yarn_inv_freq(16, 0, 10000.0, 1.0, 0, 0), 40))
+    positions = torch.tensor([5, -1, 39, 0, 17, 90], dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([5, 0, 39, 0, 17, 39], device=DEVICE)
+    x = torch.randn(T, H * D, generator=torch.Generator().manual_seed(4)).bfloat16().to(DEVICE)
+    want = turned(x.clone(), cos[rows], sin[rows], D)
+    got = x.clone()
+    rope_heads_triton(got, cos, sin, D, positions=positions)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got = x.cpu()
+    rope_heads_(got, cos.cpu(), sin.cpu(), D, positions=positions.cpu().long())
+    torch.testing.assert_close(got.float(), want.cpu().float(), rtol=2**-7, atol=1e-6)
+    torch.library.opcheck(torch.ops.graphs.rope_heads_.default, (x.cpu(), cos.cpu(), sin.cpu(), D, False,
+                                                                positions.cpu()))
+
+
 def test_no_tokens():
     cos, sin = tables(0, 8)
     assert turned(torch.empty(0, 128, dtype=torch.bfloat16), cos, sin, 64).shape == (0, 128)
@@ -91,6 +111,10 @@ def test_opcheck():
     (dict(cos=torch.zeros(3, 12), sin=torch.zeros(3, 12)), "power of two"),
     (dict(sin=torch.zeros(3, 8, dtype=torch.float64)), "fp32"),
     (dict(cos=torch.zeros(3, 8, device="meta"), sin=torch.zeros(3, 8, device="meta")), "device"),
+    (dict(positions=torch.zeros(2, dtype=torch.int32)), "positions must be"),
+    (dict(positions=torch.zeros(3)), "positions must be"),
+    (dict(cos=torch.zeros(0, 8), sin=torch.zeros(0, 8), positions=torch.zeros(3, dtype=torch.int32)), "tables"),
+    (dict(cos=torch.zeros(8), sin=torch.zeros(8), positions=torch.zeros(3, dtype=torch.int32)), "tables"),
 ])
 def test_bad_input_is_refused(bad, match):
     cos, sin = tables(3, 8)
