@@ -94,35 +94,35 @@ def test_the_compiled_v41_step_has_no_break_and_equals_eager():
     assert agree.passed, agree.verdict("compiled vs eager")
 
 
-def test_the_side_streams_turn_reads_only_what_outlives_the_step():
+def test_what_the_side_stream_reads_outlives_its_reads_in_the_compiled_step():
     """On CUDA the q GEMM and the turn of its heads run on a side stream after the current
-    stream has gone on: a tensor computed in the step that the side stream reads could have
-    its buffer handed to later work by Inductor's memory planning (which knows no streams)
-    before the turn reads it. So the turn's angles are the layer's tables and the step's
-    input positions, graph inputs in the step's Dynamo graph (a view of one at most)."""
-    import operator
+    stream has gone on, and Inductor's memory planning knows no streams: a buffer the side
+    stream reads must not be freed or handed to later work before the join. In the compiled
+    step's code (Inductor's wrapper): the GEMM's input is the very buffer the join reads,
+    not freed or reused between the two; the turn's angles are graph inputs (the layer's
+    tables, the step's positions) or views of them."""
+    import re
 
-    class Recorder:
-        graphs = []
-
-        def __call__(self, gm, example_inputs):
-            self.graphs.append(gm)
-            return gm
+    from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     layer = DSV41Attention(TINY_V41, CacheConfig(4, 16, 64, 4), 2, seed=2)
-    runner = StepRunner(layer, (1, 4, 16), compile=True, backend=Recorder(), cuda_graphs=False)
+    runner = StepRunner(layer, (1, 4, 16), compile=True, cuda_graphs=False)
     work = mixed_workload([9, 4], 3, chunk=5, max_tokens=16, rows=2)
-    with torch.no_grad():
-        run_workload(runner.step, work, hidden_states(work, TINY_V41.dim), release=runner.release)
-    (gm,) = Recorder.graphs
-    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.graphs.mm_beside]
-    cos, sin, positions, turned = node.args[3:7]
-    assert turned == TINY_V41.n_heads * layer.head_dim
-    for arg in (cos, sin, positions):
-        while arg.op == "call_function" and arg.target is operator.getitem:
-            arg = arg.args[0]
-        assert arg.op == "placeholder", arg.format_node()
+
+    def serve():
+        with torch.no_grad():
+            run_workload(runner.step, work, hidden_states(work, TINY_V41.dim), release=runner.release)
+
+    _, (code, *_) = run_and_get_code(serve)
+    lines = code.splitlines()
+    (gemm,) = [i for i, line in enumerate(lines) if "torch.ops.graphs.mm_beside.default(" in line]
+    (join,) = [i for i, line in enumerate(lines) if "torch.ops.graphs.join_beside.default(" in line]
+    x, _weight, _scale, cos, sin, positions = re.search(r"mm_beside\.default\((.*)\)", lines[gemm]).group(1) \
+        .replace("reinterpret_tensor(", "").split(", ")[:6]
+    assert re.search(rf"join_beside\.default\(\w+, {x}\)", lines[join]), lines[join]
+    assert gemm < join and not [line for line in lines[gemm + 1:join] if re.search(rf"\b{x}\b", line)]
+    assert all(a.startswith("arg") for a in (cos, sin, positions)), lines[gemm]
 
 
 def test_a_v41_config_is_read_as_v41():
