@@ -79,9 +79,10 @@ def test_positions_look_the_angles_up_in_the_tables():
     rows = torch.tensor([5, 0, 39, 0, 17, 39], device=DEVICE)
     x = torch.randn(T, H * D, generator=torch.Generator().manual_seed(4)).bfloat16().to(DEVICE)
     want = turned(x.clone(), cos[rows], sin[rows], D)
-    got = x.clone()
-    rope_heads_triton(got, cos, sin, D, positions=positions)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for dtype in (torch.int32, torch.int64):
+        got = x.clone()
+        rope_heads_triton(got, cos, sin, D, positions=positions.to(dtype))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
     got = x.cpu()
     rope_heads_(got, cos.cpu(), sin.cpu(), D, positions=positions.cpu().long())
     torch.testing.assert_close(got.float(), want.cpu().float(), rtol=2**-7, atol=1e-6)
