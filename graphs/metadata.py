@@ -354,13 +354,6 @@ class StepMetadata(nn.Module):
                              f"{staged.dtype} {list(staged.shape)}")
         self.ints.copy_(staged, non_blocking=True)
 
-    def update_one(self, position: int, token_to_req: int) -> None:
-        """:meth:`update` of a one-token step (``bucket=1``) from host ints, as two fill
-        kernels that take the values as their arguments: no host-to-device copy, whose
-        completion holds the next kernel back several microseconds on the device."""
-        self.ints[0, :1].fill_(position)
-        self.ints[1, :1].fill_(token_to_req)
-
     def apply_pages(self, changes: Optional[PageChanges], *, staging: Optional[Tensor] = None) -> None:
         """Set the block-table entries of ``changes`` (host :class:`PageChanges`, as
         :meth:`graphs.PageAllocator.take_changes` gives them; ``None``: nothing to set).

@@ -287,16 +287,7 @@ class StepRunner:
         compiled step); returns the ``[n, dim]`` output rows."""
         n = len(positions)
         size = self.bucket_for(n)
-        self._stage(turn, size, positions, token_to_req)
-        if not in_place:
-            # A kernel's copy (times one: exact), not the copy engine's, whose start and end
-            # add several microseconds of latency on the device between the kernels around
-            # it. A later piece's rows lie past the largest bucket, so they never overlap x[:n].
-            rows = self.input(n)
-            if x.device == rows.device:
-                torch.mul(x, 1, out=rows)
-            else:
-                rows.copy_(x, non_blocking=True)
+        self._stage(turn, size, positions, token_to_req, None if in_place else x)
         if self.cuda_graphs:
             self.graphs[size].replay()
             return self.outputs[size] if n == size else self.outputs[size][:n]
@@ -322,20 +313,33 @@ class StepRunner:
             self._staged_copied[i].synchronize()  # at once, unless the GPU is STAGING_DEPTH steps behind
         return i
 
-    def _stage(self, i: int, size: int, positions: list[int] | np.ndarray,
-               token_to_req: list[int] | np.ndarray) -> None:
-        """Copy the step's ``[n]`` integers, padded to the bucket's ``size`` (position
+    def _stage(self, i: int, size: int, positions: list[int] | np.ndarray, token_to_req: list[int] | np.ndarray,
+               x: Optional[Tensor]) -> None:
+        """Bring the step's ``[n]`` integers, padded to the bucket's ``size`` (position
         ``-1``, request row 0), into the layer's metadata through the staging ring's buffer
-        ``i`` (:meth:`StepMetadata.update_padded`); a one-token step's as two fills
-        (:meth:`StepMetadata.update_one`)."""
+        ``i`` (:meth:`StepMetadata.update_padded`), and ``x`` into the static input rows
+        (``None``: it is those rows); on CUDA a one-token step's in one kernel
+        (:func:`graphs.staging.stage_one_token`)."""
         copied, host, n = self._staged_copied[i], self._staged_host[i], len(positions)
-        if size == 1:
-            self.meta.update_one(int(positions[0]), int(token_to_req[0]))
+        rows = self.input(n)
+        if size == 1 and copied is not None:
+            from graphs.staging import stage_one_token
+
+            stage_one_token(self.meta.ints, int(positions[0]), int(token_to_req[0]), x, rows)
         else:
             host[0, :n], host[1, :n] = positions, token_to_req
             if n < size:
                 host[0, n:size], host[1, n:size] = -1, 0
             self.meta.update_padded(self._staged[i])
+            if x is not None:
+                # A kernel's copy (times one: exact), not the copy engine's, whose start and
+                # end add several microseconds of latency on the device between the kernels
+                # around it. A later piece's rows lie past the largest bucket, so they never
+                # overlap x[:n].
+                if x.device == rows.device:
+                    torch.mul(x, 1, out=rows)
+                else:
+                    rows.copy_(x, non_blocking=True)
         if copied is not None:
             copied.record(torch.cuda.current_stream(self._device_index))  # an index: cheaper than a device
 

@@ -278,16 +278,54 @@ def test_update_padded_copies_a_staged_block():
             meta.update_padded(bad)
 
 
-def test_update_one_sets_a_one_token_step():
-    """``update_one(position, row)``: the first column of the integers a one-token bucket
-    reads, as ``update`` sets it, the other columns untouched."""
+def test_a_one_token_steps_inputs_arrive_in_one_kernel():
+    """``graphs.staging.stage_one_token`` (Triton's interpreter on the CPU): column 0 of the
+    integers becomes the step's position and request row as ``update`` sets them, the
+    hidden states land in the input rows (bf16 ones by the kernel, others converted first,
+    none when they are there already), and nothing else changes."""
+    stage_one_token = pytest.importorskip("graphs.staging").stage_one_token
     meta = StepMetadata.for_layer(make_layer(2))
+    dim = 2500  # three programs of the copy, the last one partial
+    rows = torch.randn(4, dim).bfloat16()
+    before = rows.clone()
     meta.update(i32(9, 10, 11), i32(2, 0, 1))
-    meta.update_one(77, 3)
-    assert meta.ints[:, :3].tolist() == [[77, 10, 11], [3, 0, 1]]
+    x = torch.randn(1, dim)
+    for given, want in ((x.bfloat16(), x.bfloat16()), (x, x.bfloat16()), (None, before[:1])):
+        rows.copy_(before)
+        stage_one_token(meta.ints, 77, 3, given, rows[:1])
+        assert meta.ints[:, :3].tolist() == [[77, 10, 11], [3, 0, 1]]
+        assert torch.equal(rows[:1], want) and torch.equal(rows[1:], before[1:])
     want = StepMetadata.for_layer(make_layer(2))
     want.update(i32(77), i32(3), bucket=1)
     assert torch.equal(meta.ints[:, :1], want.ints[:, :1])
+
+
+def test_the_one_token_kernel_builds_for_sm90(tmp_path):
+    """``graphs.staging``'s kernel built for sm_90 on the CPU (``tests/scripts/sm90_build.py``,
+    a process of its own: this one runs Triton's interpreter), with and without the copy:
+    16-byte loads and stores of the hidden states, no spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    types = dict(ints="*i32", x="*bf16", rows="*bf16")
+    spec = {f"copy-{copy}": dict(kernel="graphs.staging:_one_token_kernel", types=types, aligned=["dim"],
+                                 constants=dict(COPY=copy, BLOCK=1024)) for copy in (True, False)}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    root = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root.parent), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, str(root / "scripts" / "sm90_build.py"), str(tmp_path / "spec.json")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reports = json.loads(run.stdout.splitlines()[-1])
+    for name, r in reports.items():
+        assert r["spills"] == 0, (name, r)
+    assert "LDG.E.128" in reports["copy-True"]["ops"] and "STG.E.128" in reports["copy-True"]["ops"]
+    assert not any(op.startswith("LDG") for op in reports["copy-False"]["ops"])
 
 
 def test_padding_rows_write_nothing():

@@ -90,6 +90,24 @@ def test_replayed_workload_equals_eager_and_the_oracle(replayed):
     assert same >= 0.95 * tokens and worst <= TOL
 
 
+def test_one_token_steps_equal_eager(replayed):
+    """A request of one token, then its next token (bucket 1: the step's integers and hidden
+    states arrive by one kernel, ``graphs.staging``), bf16 and fp32 hidden states, against
+    the eager twin; the second step reads the first's cache rows."""
+    runner, twin = replayed["runner"], replayed["twin"]
+    row = 7
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for r in (runner, twin):
+            r.release(row)
+        for position, dtype in ((0, torch.bfloat16), (1, torch.float32)):
+            x = torch.randn(1, runner.layer.cfg.dim, generator=gen).to(dtype).cuda()
+            got = runner.step(x, [position], [row]).clone()
+            want = twin.step(x, [position], [row])
+            assert runner.meta.ints[:, 0].tolist() == [position, row] and torch.equal(runner.input(1), x.bfloat16())
+            assert ((got - want).abs().max() / want.abs().max()).item() <= TOL
+
+
 def test_memory_constant_and_no_host_sync_over_1000_replays(replayed):
     """1000 decode steps of 5 requests (positions 0..999: pages given and recycled on the
     host, the graph of bucket 8 replayed)."""
