@@ -139,7 +139,8 @@ def decode_targets(say: Callable[[str], None]) -> list[Target]:
                 out.append(Target(f"{weights} batch-1 kernels per replay", kernels.count, 60, unit="kernels"))
             overhead = time_step_overhead(runner, b, DECODE_POSITION)
             out.append(Target(f"{weights} batch-{b} StepRunner.step / replay", overhead["ratio"], 1.05, unit="x",
-                              note=f"{overhead['step_us']} / {overhead['replay_us']} us"))
+                              note=f"{overhead['step_us']} / {overhead['replay_us']} us; the host alone "
+                                   f"{overhead['host_us']} us"))
         del runner, layer
         torch.cuda.empty_cache()
     return out

@@ -28,16 +28,18 @@ def test_sparse_mla_bench_writes_table_csv_and_plot(tmp_path, capsys):
 
 @pytest.mark.parametrize("stagger", [False, True])
 def test_step_overhead_runs_real_decode_steps_and_times_both(stagger):
-    """``graphs.bench.time_step_overhead``: every row of the batch decodes ``warmup +
-    steps`` tokens per repetition from its start (``position``, or staggered within a page),
-    rows past the batch hold nothing, and both figures and their ratio come back."""
+    """``graphs.bench.time_step_overhead``: every row of the batch decodes ``warmup + 2
+    steps`` tokens per repetition from its start (``position``, or staggered within a page:
+    ``steps`` back to back, ``steps`` with the host timed alone), rows past the batch hold
+    nothing, and the three figures and the ratio come back."""
     from graphs import TINY, CacheConfig, DSV41Attention, StepRunner
     from graphs.bench import time_step_overhead
 
     runner = StepRunner(DSV41Attention(TINY, CacheConfig(6, 4, 64, 4), compress_ratio=2), (1, 4), compile=False)
     got = time_step_overhead(runner, 3, 20, steps=2, reps=2, warmup=1, in_place=stagger, stagger=stagger)
     assert got["step_us"] > 0 and got["replay_us"] > 0 and got["ratio"] == pytest.approx(got["step_us"] / got["replay_us"], rel=1e-2)
-    assert runner.pages.length == [20 + (7 * r % 4 if stagger else 0) + 3 for r in range(3)] + [0] * 3
+    assert got["host_us"] > 0
+    assert runner.pages.length == [20 + (7 * r % 4 if stagger else 0) + 5 for r in range(3)] + [0] * 3
 
 
 def test_the_decode_floor_counts_the_compressor_weights_the_step_reads():
