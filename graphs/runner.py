@@ -160,6 +160,13 @@ class StepRunner:
                               for _ in range(STAGING_DEPTH)]
         self._staged_copied = [torch.cuda.Event() if pinned else None for _ in range(STAGING_DEPTH)]
         self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) if pinned else None
+        # on CUDA the integers of a step of several tokens go on to a device buffer of the
+        # ring by a copy on a side stream, which need not wait for the previous step's graph
+        # (graphs.staging); the buffer is rewritten only once its turn's event has passed
+        self._ring = list(torch.empty((STAGING_DEPTH, *self.meta.ints.shape), dtype=torch.int32,
+                                      device=device).unbind()) if pinned else []
+        self._ring_copied = [torch.cuda.Event() for _ in range(STAGING_DEPTH)] if pinned else []
+        self._copy_stream = torch.cuda.Stream(device) if pinned else None
         self._turn = 0
         self._x_rows: dict[int, Tensor] = {}  # input(n): x[:n], sliced once per size
         # a step larger than every bucket gathers its pieces' outputs here (each piece's
@@ -316,32 +323,37 @@ class StepRunner:
     def _stage(self, i: int, size: int, positions: list[int] | np.ndarray, token_to_req: list[int] | np.ndarray,
                x: Optional[Tensor]) -> None:
         """Bring the step's ``[n]`` integers, padded to the bucket's ``size`` (position
-        ``-1``, request row 0), into the layer's metadata through the staging ring's buffer
-        ``i`` (:meth:`StepMetadata.update_padded`), and ``x`` into the static input rows
-        (``None``: it is those rows); on CUDA a one-token step's in one kernel
-        (:func:`graphs.staging.stage_one_token`)."""
+        ``-1``, request row 0), into the layer's metadata through the staging ring's buffers
+        ``i``, and ``x`` into the static input rows (``None``: it is those rows). On CUDA one
+        kernel does both (:mod:`graphs.staging`): a one-token step's integers are its
+        arguments, a larger step's reach the ring's device buffer by a copy on the side
+        stream first; elsewhere :meth:`StepMetadata.update_padded` and a copy."""
         copied, host, n = self._staged_copied[i], self._staged_host[i], len(positions)
         rows = self.input(n)
-        if size == 1 and copied is not None:
-            from graphs.staging import stage_one_token
-
-            stage_one_token(self.meta.ints, int(positions[0]), int(token_to_req[0]), x, rows)
-        else:
+        if size > 1 or copied is None:
             host[0, :n], host[1, :n] = positions, token_to_req
             if n < size:
                 host[0, n:size], host[1, n:size] = -1, 0
+        if copied is None:
             self.meta.update_padded(self._staged[i])
             if x is not None:
-                # A kernel's copy (times one: exact), not the copy engine's, whose start and
-                # end add several microseconds of latency on the device between the kernels
-                # around it. A later piece's rows lie past the largest bucket, so they never
-                # overlap x[:n].
-                if x.device == rows.device:
-                    torch.mul(x, 1, out=rows)
-                else:
-                    rows.copy_(x, non_blocking=True)
-        if copied is not None:
-            copied.record(torch.cuda.current_stream(self._device_index))  # an index: cheaper than a device
+                rows.copy_(x)
+            return
+        from graphs.staging import stage_one_token, stage_step
+
+        stream = torch.cuda.current_stream(self._device_index)  # an index: cheaper than a device
+        if size == 1:
+            stage_one_token(self.meta.ints, int(positions[0]), int(token_to_req[0]), x, rows)
+        else:
+            torch.cuda.set_stream(self._copy_stream)
+            try:
+                self._ring[i].copy_(self._staged[i], non_blocking=True)
+                self._ring_copied[i].record(self._copy_stream)
+            finally:
+                torch.cuda.set_stream(stream)
+            stream.wait_event(self._ring_copied[i])
+            stage_step(self.meta.ints, self._ring[i], size, x, rows)
+        copied.record(stream)
 
     def release(self, row: int) -> None:
         """A request finished: give its pages back (:meth:`PageAllocator.release`)."""

@@ -300,8 +300,44 @@ def test_a_one_token_steps_inputs_arrive_in_one_kernel():
     assert torch.equal(meta.ints[:, :1], want.ints[:, :1])
 
 
-def test_the_one_token_kernel_builds_for_sm90(tmp_path):
-    """``graphs.staging``'s kernel built for sm_90 on the CPU (``tests/scripts/sm90_build.py``,
+def test_a_larger_steps_inputs_arrive_in_one_kernel():
+    """``graphs.staging.stage_step`` (Triton's interpreter on the CPU): the first ``size``
+    columns of the staged block become the metadata's integers as ``update_padded`` sets
+    them (columns past ``size`` left alone), the ``n`` rows of hidden states land in the
+    input rows (bf16 ones by the kernel, others converted first, none when they are there
+    already), across several programs of integers and of each row."""
+    stage_step = pytest.importorskip("graphs.staging").stage_step
+    meta = StepMetadata.for_layer(make_layer(2))
+    max_tokens = meta.ints.shape[1]
+    dim = 2500  # three programs a row, the last one partial
+    rows = torch.randn(max_tokens, dim).bfloat16()
+    before_rows, before_ints = rows.clone(), torch.randint(-5, 50, meta.ints.shape, dtype=I32)
+    for n, size in ((3, 4), (2, 2), (max_tokens - 1, max_tokens)):
+        staged = torch.randint(-1, 100, meta.ints.shape, dtype=I32)
+        x = torch.randn(n, dim)
+        for given, want in ((x.bfloat16(), x.bfloat16()), (x, x.bfloat16()), (None, before_rows[:n])):
+            rows.copy_(before_rows)
+            meta.ints.copy_(before_ints)
+            stage_step(meta.ints, staged, size, given, rows[:n])
+            assert torch.equal(meta.ints[:, :size], staged[:, :size])
+            assert torch.equal(meta.ints[:, size:], before_ints[:, size:])
+            assert torch.equal(rows[:n], want) and torch.equal(rows[n:], before_rows[n:])
+
+
+def test_many_columns_of_integers_take_several_programs(monkeypatch):
+    """A step wider than one program's columns of integers (``INT_BLOCK``, made small here)
+    is copied whole, by as many programs as it needs, with no hidden states to copy."""
+    staging = pytest.importorskip("graphs.staging")
+    monkeypatch.setattr(staging, "INT_BLOCK", 4)
+    meta = StepMetadata.for_layer(make_layer(2))
+    staged = torch.randint(-1, 100, meta.ints.shape, dtype=I32)
+    rows = torch.zeros(3, 8).bfloat16()
+    staging.stage_step(meta.ints, staged, 11, None, rows)
+    assert torch.equal(meta.ints[:, :11], staged[:, :11]) and not rows.any()
+
+
+def test_the_staging_kernels_build_for_sm90(tmp_path):
+    """``graphs.staging``'s kernels built for sm_90 on the CPU (``tests/scripts/sm90_build.py``,
     a process of its own: this one runs Triton's interpreter), with and without the copy:
     16-byte loads and stores of the hidden states, no spills."""
     import json
@@ -312,8 +348,12 @@ def test_the_one_token_kernel_builds_for_sm90(tmp_path):
 
     pytest.importorskip("triton")
     types = dict(ints="*i32", x="*bf16", rows="*bf16")
-    spec = {f"copy-{copy}": dict(kernel="graphs.staging:_one_token_kernel", types=types, aligned=["dim"],
-                                 constants=dict(COPY=copy, BLOCK=1024)) for copy in (True, False)}
+    spec = {f"one-copy-{copy}": dict(kernel="graphs.staging:_one_token_kernel", types=types, aligned=["dim"],
+                                     constants=dict(COPY=copy, BLOCK=1024)) for copy in (True, False)}
+    spec.update({f"step-copy-{copy}": dict(kernel="graphs.staging:_step_kernel", types={**types, "staged": "*i32"},
+                                           aligned=["dim", "max_tokens"],
+                                           constants=dict(COPY=copy, BLOCK=1024, INT_BLOCK=1024))
+                 for copy in (True, False)})
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     root = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "0",
@@ -324,8 +364,10 @@ def test_the_one_token_kernel_builds_for_sm90(tmp_path):
     reports = json.loads(run.stdout.splitlines()[-1])
     for name, r in reports.items():
         assert r["spills"] == 0, (name, r)
-    assert "LDG.E.128" in reports["copy-True"]["ops"] and "STG.E.128" in reports["copy-True"]["ops"]
-    assert not any(op.startswith("LDG") for op in reports["copy-False"]["ops"])
+    for kernel in ("one", "step"):
+        ops = reports[f"{kernel}-copy-True"]["ops"]
+        assert "LDG.E.128" in ops and "STG.E.128" in ops, (kernel, ops)
+    assert not any(op.startswith("LDG") for op in reports["one-copy-False"]["ops"])
 
 
 def test_padding_rows_write_nothing():
