@@ -87,8 +87,11 @@ def stage_step(ints: Tensor, staged: Tensor, size: int, x: Optional[Tensor], row
     the same shape), and the step's hidden states ``x [n, dim]`` into the static input
     rows ``rows [n, dim]`` (bf16), ``n <= size``, in one launch. ``x`` ``None``: they are in
     ``rows`` already; an ``x`` of another dtype, layout or device is copied by torch first."""
-    copy = _copied_by_kernel(x, rows)
     n, dim = rows.shape
+    if staged.shape != ints.shape or not n <= size <= ints.shape[1]:
+        raise ValueError(f"stage_step takes a staged block shaped as ints {list(ints.shape)} and n <= size <= "
+                         f"{ints.shape[1]}, got {list(staged.shape)}, n = {n}, size = {size}")
+    copy = _copied_by_kernel(x, rows)
     grid = (max(n if copy else 0, triton.cdiv(size, INT_BLOCK)), triton.cdiv(dim, ROW_BLOCK) if copy else 1)
     _step_kernel[grid](ints, staged, ints.shape[1], size, x if copy else rows, rows, n, dim, COPY=copy,
                        BLOCK=ROW_BLOCK, INT_BLOCK=INT_BLOCK)

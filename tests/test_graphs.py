@@ -326,14 +326,19 @@ def test_a_larger_steps_inputs_arrive_in_one_kernel():
 
 def test_many_columns_of_integers_take_several_programs(monkeypatch):
     """A step wider than one program's columns of integers (``INT_BLOCK``, made small here)
-    is copied whole, by as many programs as it needs, with no hidden states to copy."""
+    is copied whole, by as many programs as it needs, with no hidden states to copy; a
+    staged block of another shape, or a size past the metadata's columns or below the
+    rows', is refused (the kernel would write out of bounds)."""
     staging = pytest.importorskip("graphs.staging")
     monkeypatch.setattr(staging, "INT_BLOCK", 4)
-    meta = StepMetadata.for_layer(make_layer(2))
+    meta = StepMetadata.for_layer(make_layer(2, max_tokens=16))
     staged = torch.randint(-1, 100, meta.ints.shape, dtype=I32)
     rows = torch.zeros(3, 8).bfloat16()
     staging.stage_step(meta.ints, staged, 11, None, rows)
     assert torch.equal(meta.ints[:, :11], staged[:, :11]) and not rows.any()
+    for bad in ((staged[:, :8], 4), (staged, 17), (staged, 2)):  # another block; size past the columns or below n
+        with pytest.raises(ValueError, match="stage_step takes"):
+            staging.stage_step(meta.ints, *bad, None, rows)
 
 
 def test_the_staging_kernels_build_for_sm90(tmp_path):
