@@ -223,7 +223,8 @@ class StepMetadata(nn.Module):
     (``-1`` until pages are given; :attr:`swa_block_table` ``[R, Bs]`` and
     :meth:`cmp_table_of` ``(r)`` ``[R, Bc]`` are views of it), the SWA slot mapping
     ``swa_slots [max_tokens]`` and per compressed ratio ``r`` of the geometries
-    ``cmp_slots_{r} [max_tokens]``.
+    ``cmp_slots_{r} [max_tokens]``, and ``valid [max_tokens]`` bool (the step's tokens that
+    are not padding).
     :attr:`cmp_block_table` / :attr:`cmp_slots` are those of a one-geometry (one-layer)
     metadata. A step of ``T`` tokens reads the first ``T`` columns; ``T`` comes from the
     hidden states' shape. Every geometry's step inputs are derived once per step
@@ -265,6 +266,7 @@ class StepMetadata(nn.Module):
             return torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
 
         self.register_buffer("swa_slots", slots(), persistent=False)
+        self.register_buffer("valid", torch.zeros(max_tokens, dtype=torch.bool, device=device), persistent=False)
         for g in geometries:
             if g.ratio:
                 self.register_buffer(f"cmp_slots_{g.ratio}", slots(), persistent=False)
@@ -424,7 +426,11 @@ class StepMetadata(nn.Module):
         base = step_inputs(positions, token_to_req, self.swa_block_table, self.cmp_table_of(first.ratio),
                            first.page_size, first.block_size, first.ratio, *first.dcp)
         self.swa_slots[:T].copy_(base.swa_slots)
-        base = derive(base._replace(swa_slots=self.swa_slots[:T]), first)
+        # validity stored once, beside the slots: an op that takes it (the slot conversion)
+        # reads this buffer, where Inductor would launch a kernel of its own to compute it
+        # just before the op
+        self.valid[:T].copy_(base.is_valid)
+        base = derive(base._replace(swa_slots=self.swa_slots[:T], is_valid=self.valid[:T]), first)
         out: dict[int, StepInputs] = {}
         for ratio in ratios:
             g = self.geometries[ratio]
