@@ -352,6 +352,7 @@ class StepRunner:
             finally:
                 torch.cuda.set_stream(stream)
             stream.wait_event(self._ring_copied[i])
+            # (a later piece's x lies past the largest bucket, never over the rows it goes to)
             stage_step(self.meta.ints, self._ring[i], size, x, rows)
         copied.record(stream)
 
