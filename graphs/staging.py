@@ -44,7 +44,7 @@ def stage_one_token(ints: Tensor, position: int, row: int, x: Optional[Tensor], 
     ``position`` and request ``row``, and copy its hidden states ``x [1, dim]`` into the
     static input rows ``rows [1, dim]`` (bf16), in one launch. ``x`` ``None``: they are in
     ``rows`` already; an ``x`` of another dtype, layout or device is copied by torch first."""
-    copy = _copied_by_kernel(x, rows)
+    copy = _convert_unless_kernel_copies(x, rows)
     dim = rows.shape[1]
     _one_token_kernel[(triton.cdiv(dim, ROW_BLOCK) if copy else 1,)](
         ints, ints.shape[1], position, row, x if copy else rows, rows, dim, COPY=copy, BLOCK=ROW_BLOCK)
@@ -71,10 +71,10 @@ def _step_kernel(ints, staged, max_tokens, size, x, rows, n, dim, COPY: tl.const
             tl.store(rows + at + o, tl.load(x + at + o, mask=m), mask=m)
 
 
-def _copied_by_kernel(x: Optional[Tensor], rows: Tensor) -> bool:
-    """Whether the staging kernel copies ``x`` into ``rows``: a bf16 contiguous ``x`` on
-    their device; another ``x`` is copied (converted) by torch here first; ``None``: it is
-    in ``rows`` already."""
+def _convert_unless_kernel_copies(x: Optional[Tensor], rows: Tensor) -> bool:
+    """Whether the staging kernel is to copy ``x`` into ``rows`` (a bf16 contiguous ``x`` on
+    their device); another ``x`` is copied (converted) into ``rows`` by torch here, and
+    ``None`` (it is in ``rows`` already) needs no copy."""
     copy = x is not None and x.dtype == torch.bfloat16 and x.is_contiguous() and x.device == rows.device
     if x is not None and not copy:
         rows.copy_(x, non_blocking=True)
@@ -91,7 +91,7 @@ def stage_step(ints: Tensor, staged: Tensor, size: int, x: Optional[Tensor], row
     if staged.shape != ints.shape or not n <= size <= ints.shape[1]:
         raise ValueError(f"stage_step takes a staged block shaped as ints {list(ints.shape)} and n <= size <= "
                          f"{ints.shape[1]}, got {list(staged.shape)}, n = {n}, size = {size}")
-    copy = _copied_by_kernel(x, rows)
+    copy = _convert_unless_kernel_copies(x, rows)
     grid = (max(n if copy else 0, triton.cdiv(size, INT_BLOCK)), triton.cdiv(dim, ROW_BLOCK) if copy else 1)
     _step_kernel[grid](ints, staged, ints.shape[1], size, x if copy else rows, rows, n, dim, COPY=copy,
                        BLOCK=ROW_BLOCK, INT_BLOCK=INT_BLOCK)
