@@ -399,6 +399,7 @@ def test_padding_rows_write_nothing():
                     != read_index_keys(before["indexer.index_cache"], slots, fmt)).any(-1).nonzero().flatten().tolist()
     assert keys_changed == cmp_rows
     assert meta.swa_slots[1:].tolist() == [-1] * 3 and meta.cmp_slots[1:].tolist() == [-1] * 3
+    assert meta.valid.tolist() == [True, False, False, False]  # what the slot conversion read
     for name in ("compressor.state", "indexer.compressor.state"):
         rows = (layer.get_buffer(name) != before[name]).transpose(0, 1).flatten(1).any(1).nonzero().flatten().tolist()
         assert rows in ([1], [1, 4]), (name, rows)  # request row 1, and the spare row 4 padding writes to
