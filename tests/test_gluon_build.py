@@ -30,6 +30,11 @@ BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
 INDEXER_BUILDS = [f"indexer:{fmt}:{build}:{tokens}" for fmt in ("fp4", "fp8")
                   for build in ("32:0:6:0", "32:1:-1:1", "64:0:5:1", "64:1:6:0", "16:0:6:1") for tokens in (1, 4)]
 
+# the weight-only FP8 GEMM (compile_ops/linear/gluon.py): every tile weight_only_tile gives,
+# "linear:warpgroups:tokens:stages:partial" (K split into fp32 partials or not)
+LINEAR_BUILDS = [f"linear:{wg}:{bt}:{stages}:{partial}" for wg, bt, stages in ((1, 16, 4), (1, 32, 4), (1, 64, 4), (2, 128, 3))
+                 for partial in (0, 1)]
+
 # the Gluon top-k levels (compile_ops.indexer.gluon._topk_level_kernel): every launch the plans
 # of rows of 512 to 1M scores, k = 512 and 2048, run on it (those that keep id order and hold
 # an entry a thread at least; a launch with a then-level runs the row's last level too),
@@ -135,6 +140,26 @@ def build_topk_sm90(source: int, seg: int, k_pad: int, last: bool, then_seg: int
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
+def build_linear_sm90(warpgroups: int, tokens: int, stages: int, partial: bool):
+    """:func:`compile_ops.linear.gluon._weight_only_kernel` compiled for sm_90 as
+    :func:`compile_ops.linear.gluon.fp8_linear_gluon` launches it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from compile_ops.linear import gluon
+
+    kernel = gluon._weight_only_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = dict(x="*bf16", w="*u8", w_s="*u8", c="*fp32" if partial else "*bf16")
+    options = dict(WG=warpgroups, BT=tokens, BK=gluon.BK, STAGES=stages, PARTIAL=partial)
+    signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if signature[n].startswith("*") or n in ("K", "stride_xm", "stride_wn", "stride_cm")}
+    source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in options.items()}, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4 * warpgroups))
+
+
 def loop_barriers(sass: str) -> list[int]:
     """The ``BAR.SYNC`` count of each loop of a kernel's SASS (a backward branch's span;
     an instruction is 16 bytes)."""
@@ -158,6 +183,13 @@ def build_report(build):
         sass = full_sass(compiled.asm["cubin"])
         return dict(spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)), loops=loop_barriers(sass),
                     redux=sass.count("REDUX"))
+    if build.startswith("linear:"):
+        _, warpgroups, tokens, stages, partial = build.split(":")
+        compiled = build_linear_sm90(int(warpgroups), int(tokens), int(stages), partial == "1")
+        sass = full_sass(compiled.asm["cubin"])
+        return dict(shared=compiled.metadata.shared, spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
+                    wgmma=sass.count("HGMMA"), pair_loads=sass.count("LDS.U16"), stores=len(re.findall(r"(?<![A-Z])STS", sass)),
+                    copies=sass.count("LDGSTS.E.BYPASS.128"), scale_products=sass.count("HMUL2.BF16"))
     if build.startswith("indexer:"):
         _, index_format, heads, restrict, page_shift, groups, tokens = build.split(":")
         compiled = build_indexer_sm90(index_format, int(heads), restrict == "1", int(page_shift), groups == "1",
@@ -189,7 +221,7 @@ def reports():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, __file__, *BUILDS, *INDEXER_BUILDS, *TOPK_BUILDS], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, __file__, *BUILDS, *INDEXER_BUILDS, *TOPK_BUILDS, *LINEAR_BUILDS], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])
 
@@ -228,6 +260,18 @@ def test_topk_levels_build_for_sm90_with_one_barrier_a_search_step(build, report
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
     assert report["redux"] >= 2 and 2 in report["loops"], report  # the counts within a warp: REDUX
     assert all(count <= 2 for count in report["loops"]), report
+
+
+@pytest.mark.parametrize("build", LINEAR_BUILDS)
+def test_weight_only_gemm_builds_for_sm90_without_spills(build, reports):
+    """The weight-only GEMM: no spills; a K step of 128 is eight 16-deep bf16 ``wgmma``
+    whose register operand comes from 2-byte loads of the weight bytes (no store of the
+    widened weights to shared memory) and one bf16 multiply a pair by its block's scale."""
+    report = reports[build]
+    assert report["shared"] <= SM90_SHARED_BYTES, f"{report['shared']} bytes of shared memory"
+    assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
+    assert report["wgmma"] == 8 and report["pair_loads"] == 32 and report["scale_products"] == 32, report
+    assert report["stores"] == 0 and report["copies"] > 0, report
 
 
 if __name__ == "__main__":

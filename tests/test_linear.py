@@ -397,16 +397,32 @@ def test_the_cublas_backend_takes_only_the_calls_it_can_run():
     assert compile_ops.backend_for("linear", "cpu") == "reference"
 
 
+def test_the_gluon_backend_takes_only_weight_only_calls_of_32_blocks():
+    from compile_ops.linear.gluon import available, limits
+
+    wq, ws = quantize_blocks(torch.randn(256, 384), 32)
+    for M in (2, 64, 256):
+        assert limits((torch.ones(M, 384), wq, ws, 1)) is None
+    assert "2 to 256 tokens" in limits((torch.ones(1, 384), wq, ws, 1))
+    assert "2 to 256 tokens" in limits((torch.ones(257, 384), wq, ws, 1))
+    assert "32-blocks" in limits((torch.ones(16, 384), *quantize_blocks(torch.randn(256, 384), 128), 1))
+    odd = quantize_blocks(torch.randn(256, 200), 32)
+    assert "multiple of 16" in limits((torch.ones(16, 200), *odd, 1))
+    assert "CUDA" in available(torch.device("cpu"), None)
+    assert compile_ops.backends.backends("linear") == ["scaled_mm", "gluon", "triton", "reference"]
+
+
 FLASH_LINEARS = list(FLASH_PROJECTIONS.values())  # (N, K, groups) of V4.1-Flash's FP8 projections
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("N, K, groups", FLASH_LINEARS)
-@pytest.mark.parametrize("M", [1, 7, 64, 200, 300, 4096])
+@pytest.mark.parametrize("M", [1, 2, 7, 64, 200, 256, 300, 4096])
 def test_gpu_backends_equal_the_reference(M, N, K, groups, block):
     """Each CUDA backend that takes the call (Triton: all; cuBLAS: 128-blocks, one group,
-    >= 128 tokens, >= 2**19 outputs) at the layer's shapes; ``auto`` picks cuBLAS where it can."""
+    >= 128 tokens, >= 2**19 outputs; Gluon on sm_90: 32-blocks, 2 to 256 tokens) at the
+    layer's shapes; ``auto`` picks cuBLAS, then Gluon, where they can."""
     from compile_ops.backends import resolve
 
     gen = torch.Generator(device="cuda").manual_seed(M + N)
@@ -415,8 +431,10 @@ def test_gpu_backends_equal_the_reference(M, N, K, groups, block):
     with compile_ops.use_backends(linear="reference"):
         want = fp8_linear(x, wq, ws, groups).float()
     cublas = block == 128 and groups == 1 and M >= 128 and M * N >= 1 << 19
-    assert resolve("linear", x.device, args=(x, wq, ws, groups))[0] == ("scaled_mm" if cublas else "triton")
-    for backend in ("triton", "scaled_mm") if cublas else ("triton",):
+    gluon = block == 32 and 2 <= M <= 256 and torch.cuda.get_device_capability() == (9, 0)
+    assert resolve("linear", x.device, args=(x, wq, ws, groups))[0] == (
+        "scaled_mm" if cublas else "gluon" if gluon else "triton")
+    for backend in ("triton", "scaled_mm") if cublas else ("triton", "gluon") if gluon else ("triton",):
         with compile_ops.use_backends(linear=backend):
             got = fp8_linear(x, wq, ws, groups).float()
         # summation order and one bf16 rounding, of the row's largest |y|
