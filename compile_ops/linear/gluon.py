@@ -36,7 +36,7 @@ from compile_ops._launch import launchable
 from compile_ops.backends import hopper_with_gluon
 from compile_ops.linear.quant import layout_of_scale
 from compile_ops.linear.triton import TARGET_PROGRAMS, _split_target, _sum_splits, k_splits
-from compile_ops.mla.gluon import _async_load, _cta_barrier
+from compile_ops.mla.gluon import _async_load, _cta_barrier, _reinterpret
 
 BK = 128  # K a step: four 32-blocks of scales, one 128-byte row of each weight row's bytes
 
@@ -125,8 +125,7 @@ def _weight_only_kernel(x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, 
         _copy_step(wbuf, xbuf, (i + STAGES - 1) % STAGES, w, x, n0, m0, k0 + (STAGES - 1) * BK, x_col, M, N,
                    k_end, stride_wn, stride_xm, ROWS, BT, BK, NW)
         st = i % STAGES
-        pairs = wbuf.index(st)._reinterpret(gl.int16, [ROWS, BK // 2],
-                                            gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+        pairs = _reinterpret(wbuf.index(st), gl.int16, [ROWS, BK // 2], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
         tokens = xbuf.index(st)
         for j in gl.static_range(BK // 32):
             lo, hi = _widen(pairs.slice(16 * j, 16, dim=1).load(PL))
