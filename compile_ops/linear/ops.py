@@ -139,11 +139,12 @@ Example::
 backends.register_backend("linear", "scaled_mm", backends.imported("compile_ops.linear.scaled_mm", "available"),
                           {"fp8_linear": backends.imported("compile_ops.linear.scaled_mm", "fp8_linear_scaled_mm")},
                           limits=backends.imported("compile_ops.linear.scaled_mm", "limits"))
+backends.register_backend("linear", "triton", backends.cuda_with_triton,
+                          {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
+# after triton, which takes every CUDA call: auto does not pick it until it has run on hardware
 backends.register_backend("linear", "gluon", backends.imported("compile_ops.linear.gluon", "available"),
                           {"fp8_linear": backends.imported("compile_ops.linear.gluon", "fp8_linear_gluon")},
                           limits=backends.imported("compile_ops.linear.gluon", "limits"))
-backends.register_backend("linear", "triton", backends.cuda_with_triton,
-                          {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
 backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})
 
 __all__ = ["BLOCK", "LAYOUTS", "BlockLayout", "bf16_linear", "dequantize_blocks", "fp8_linear", "layout_of_block",
