@@ -152,6 +152,16 @@ def power_of_two(exponent):
     return (exponent << 23).to(tl.float32, bitcast=True)
 
 
+# e4m3_to_bf16_bits's PTX: two e4m3 bytes ($1, 16 bits) -> two bf16 ($0, 32 bits)
+E4M3X2_TO_BF16X2 = tl.constexpr("""{
+.reg .b32 a;
+cvt.u32.u16 a, $1;
+prmt.b32 a, a, 0, 0x9180;
+shl.b32 a, a, 4;
+and.b32 $0, a, 0x87F087F0;
+}""")
+
+
 @triton.jit
 def e4m3_to_bf16_bits(x):
     """e4m3 ``x`` as bf16 times ``2**-120``, exactly, in two integer instructions and one
@@ -170,15 +180,7 @@ def e4m3_to_bf16_bits(x):
     none.
     """
     return tl.inline_asm_elementwise(
-        """
-        {
-        .reg .b32 a;
-        cvt.u32.u16 a, $1;
-        prmt.b32 a, a, 0, 0x9180;
-        shl.b32 a, a, 4;
-        and.b32 $0, a, 0x87F087F0;
-        }
-        """,
+        E4M3X2_TO_BF16X2,
         "=r,h",
         [x.to(tl.uint8, bitcast=True)],
         dtype=tl.bfloat16,

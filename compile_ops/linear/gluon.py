@@ -33,30 +33,19 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from compile_ops._launch import launchable
+from compile_ops._triton_quant import E4M3X2_TO_BF16X2
 from compile_ops.backends import hopper_with_gluon
 from compile_ops.linear.quant import layout_of_scale
 from compile_ops.linear.triton import TARGET_PROGRAMS, _split_target, _sum_splits, k_splits
-from compile_ops.mla.gluon import _async_load, _cta_barrier, _reinterpret
+from compile_ops.mla.gluon import _async_load, _cta_barrier
 
 BK = 128  # K a step: four 32-blocks of scales, one 128-byte row of each weight row's bytes
 
-# e4m3 byte pairs (one 16-bit value) -> two bf16 values times 2 ** -120 (e4m3_to_bf16_bits)
-_E4M3X2_TO_BF16 = gl.constexpr("""{
-.reg .b32 a;
-cvt.u32.u16 a, $2;
-prmt.b32 a, a, 0, 0x9180;
-shl.b32 a, a, 4;
-and.b32 a, a, 0x87F087F0;
-mov.b32 {$0, $1}, a;
-}""")
-
-
 @gluon.jit
-def _widen(pairs):
-    """int16 ``pairs`` (two e4m3 bytes each, the low one first) -> ``(low, high)`` bf16, each
-    the byte's value times ``2 ** -120``, exactly."""
-    return gl.inline_asm_elementwise(_E4M3X2_TO_BF16, "=h,=h,h", [pairs], dtype=(gl.bfloat16, gl.bfloat16),
-                                     is_pure=True, pack=1)
+def _widen(w):
+    """uint8 e4m3 bytes ``w`` (two consecutive ones a thread) -> bf16, each the byte's value
+    times ``2 ** -120``, exactly (:func:`compile_ops._triton_quant.e4m3_to_bf16_bits`)."""
+    return gl.inline_asm_elementwise(E4M3X2_TO_BF16X2, "=r,h", [w], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -87,16 +76,6 @@ def _weight_only_kernel(x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, 
     NW: gl.constexpr = 4 * WG
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    # A_L's registers, lanes and warps over the [ROWS, 16] byte pairs of a 32-deep scale block
-    # (pair j holds the operand's columns 2 j, 2 j + 1): a lane's pairs 4 u + t of rows r, r + 8
-    if WG == 1:
-        PL: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 4], [8, 0], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[ROWS, 16])
-    else:
-        PL: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 4], [8, 0], [0, 8]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[ROWS, 16])
     ROW: gl.constexpr = gl.SliceLayout(1, A_L)
 
     i_t, i_n, i_s = gl.program_id(0), gl.program_id(1), gl.program_id(2)
@@ -125,11 +104,10 @@ def _weight_only_kernel(x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, 
         _copy_step(wbuf, xbuf, (i + STAGES - 1) % STAGES, w, x, n0, m0, k0 + (STAGES - 1) * BK, x_col, M, N,
                    k_end, stride_wn, stride_xm, ROWS, BT, BK, NW)
         st = i % STAGES
-        pairs = _reinterpret(wbuf.index(st), gl.int16, [ROWS, BK // 2], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+        weights = wbuf.index(st)
         tokens = xbuf.index(st)
         for j in gl.static_range(BK // 32):
-            lo, hi = _widen(pairs.slice(16 * j, 16, dim=1).load(PL))
-            a = gl.convert_layout(gl.reshape(gl.join(lo, hi), [ROWS, 32]), A_L)
+            a = _widen(weights.slice(32 * j, 32, dim=1).load(A_L))  # the operand's byte pairs, 2-byte loads
             # the block's scale times 2 ** 64 as bf16 (the weights' 2 ** 120: 64 here, 56 at the end)
             e = gl.load(s_row + (k0 // 32 + j), mask=(o_r < N) & (k0 + 32 * j < K), other=0).to(gl.int32)
             scale = ((e + 64) << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
