@@ -34,7 +34,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from compile_ops._launch import launchable
 from compile_ops._triton_quant import E4M3X2_TO_BF16X2
-from compile_ops.backends import hopper_with_gluon
 from compile_ops.linear.quant import layout_of_scale
 from compile_ops.linear.triton import TARGET_PROGRAMS, _split_target, _sum_splits, k_splits
 from compile_ops.mla.gluon import _async_load, _cta_barrier
@@ -148,11 +147,6 @@ def limits(args: tuple) -> Optional[str]:
     if weight.shape[1] % 16:
         return f"the Gluon GEMM copies 16-byte rows: K must be a multiple of 16, got {weight.shape[1]}"
     return None
-
-
-def available(device: torch.device, kv_format: Optional[str]) -> Optional[str]:
-    """Predicate of the ``gluon`` backend: :func:`compile_ops.backends.hopper_with_gluon`."""
-    return hopper_with_gluon(device)
 
 
 def fp8_linear_gluon(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, groups: int = 1) -> torch.Tensor:

@@ -141,8 +141,14 @@ backends.register_backend("linear", "scaled_mm", backends.imported("compile_ops.
                           limits=backends.imported("compile_ops.linear.scaled_mm", "limits"))
 backends.register_backend("linear", "triton", backends.cuda_with_triton,
                           {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
+
+
+def _gluon_unavailable(device, kv_format):
+    return backends.hopper_with_gluon(device)
+
+
 # after triton, which takes every CUDA call: auto does not pick it until it has run on hardware
-backends.register_backend("linear", "gluon", backends.imported("compile_ops.linear.gluon", "available"),
+backends.register_backend("linear", "gluon", _gluon_unavailable,
                           {"fp8_linear": backends.imported("compile_ops.linear.gluon", "fp8_linear_gluon")},
                           limits=backends.imported("compile_ops.linear.gluon", "limits"))
 backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})
