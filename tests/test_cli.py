@@ -154,11 +154,12 @@ def test_backend_applies_to_every_family():
     assert set(graphs_main.OP_FAMILIES) == families
     assert graphs_main.backend_choice("reference", "fp8") == dict.fromkeys(families, "reference")
     gluon = graphs_main.backend_choice("gluon", "bf16")  # the indexer's Gluon kernel reads fp4 / fp8 keys
-    assert gluon["sparse_mla"] == "gluon" and {gluon[f] for f in families - {"sparse_mla"}} == {"auto"}
+    assert gluon["sparse_mla"] == gluon["linear"] == "gluon"
+    assert {gluon[f] for f in families - {"sparse_mla", "linear"}} == {"auto"}
     for index_format in ("fp4", "fp8"):
         gluon = graphs_main.backend_choice("gluon", index_format)
-        assert gluon["sparse_mla"] == gluon["indexer"] == "gluon"
-        assert {gluon[f] for f in families - {"sparse_mla", "indexer"}} == {"auto"}
+        assert gluon["sparse_mla"] == gluon["indexer"] == gluon["linear"] == "gluon"
+        assert {gluon[f] for f in families - {"sparse_mla", "indexer", "linear"}} == {"auto"}
 
 
 def test_oracle_verdict_fails_on_outputs_or_picks():

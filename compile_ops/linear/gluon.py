@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from compile_ops._launch import launchable
 from compile_ops._triton_quant import E4M3X2_TO_BF16X2
 from compile_ops.linear.quant import layout_of_scale
-from compile_ops.linear.triton import TARGET_PROGRAMS, _split_target, _sum_splits, k_splits
+from compile_ops.linear.triton import TARGET_PROGRAMS, _split_target, _sum_splits, fp8_linear_triton, k_splits
 from compile_ops.mla.gluon import _async_load, _cta_barrier
 
 BK = 128  # K a step: four 32-blocks of scales, one 128-byte row of each weight row's bytes
@@ -136,8 +136,9 @@ def weight_only_tile(M: int) -> tuple[int, int, int, int]:
     return 2, 128, 3, TARGET_PROGRAMS
 
 
-def limits(args: tuple) -> Optional[str]:
-    """``None`` where the kernel takes the validated ``fp8_linear`` call ``args``, else why not."""
+def gemm_unsupported(args: tuple) -> Optional[str]:
+    """``None`` where the Gluon GEMM takes the validated ``fp8_linear`` call ``args``, else why
+    not (:func:`fp8_linear_gluon` then runs the ``triton`` backend's kernels)."""
     x, weight, weight_scale, groups = args
     layout = layout_of_scale(weight_scale)
     if not layout.power_of_two:
@@ -150,7 +151,11 @@ def limits(args: tuple) -> Optional[str]:
 
 
 def fp8_linear_gluon(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """:func:`compile_ops.linear.fp8_linear` of a call :func:`limits` takes: bf16 ``[M, N]``."""
+    """:func:`compile_ops.linear.fp8_linear`, bf16 ``[M, N]``: the Gluon GEMM where it takes the
+    call (:func:`gemm_unsupported`), else the ``triton`` backend (one token's GEMV, the token
+    quantizer past ``weight_only_tokens``, 128-blocks)."""
+    if gemm_unsupported((x, weight, weight_scale, groups)) is not None:
+        return fp8_linear_triton(x, weight, weight_scale, groups)
     M, (N, K) = x.shape[0], weight.shape
     x = x.contiguous().to(torch.bfloat16)
     weight, scale = weight.contiguous(), weight_scale.contiguous().view(torch.uint8)

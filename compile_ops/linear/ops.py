@@ -149,8 +149,7 @@ def _gluon_unavailable(device, kv_format):
 
 # after triton, which takes every CUDA call: auto does not pick it until it has run on hardware
 backends.register_backend("linear", "gluon", _gluon_unavailable,
-                          {"fp8_linear": backends.imported("compile_ops.linear.gluon", "fp8_linear_gluon")},
-                          limits=backends.imported("compile_ops.linear.gluon", "limits"))
+                          {"fp8_linear": backends.imported("compile_ops.linear.gluon", "fp8_linear_gluon")})
 backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})
 
 __all__ = ["BLOCK", "LAYOUTS", "BlockLayout", "bf16_linear", "dequantize_blocks", "fp8_linear", "layout_of_block",
