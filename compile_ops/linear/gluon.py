@@ -130,9 +130,10 @@ def _weight_only_kernel(x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, 
 def weight_only_tile(M: int) -> tuple[int, int, int, int]:
     """``(WG, BT, STAGES, programs)`` of a call of ``M`` tokens: warpgroups a program (``64 *
     WG`` weight rows), tokens a program, K steps in the ring, and the programs K is split to
-    reach (:func:`compile_ops.linear.triton.k_splits`)."""
+    reach (:func:`compile_ops.linear.triton.k_splits`); the best of an H100 sweep at 64 and
+    256 tokens (``docs/ops.md``)."""
     if M <= 64:
-        return 1, max(16, triton.next_power_of_2(M)), 4, 4 * TARGET_PROGRAMS // 2
+        return 1, max(16, triton.next_power_of_2(M)), 2, 4 * TARGET_PROGRAMS
     return 2, 128, 3, TARGET_PROGRAMS
 
 

@@ -147,7 +147,7 @@ def _gluon_unavailable(device, kv_format):
     return backends.hopper_with_gluon(device)
 
 
-# after triton, which takes every CUDA call: auto does not pick it until it has run on hardware
+# after triton, which takes every CUDA call: barely faster than its weight-only path (docs/ops.md)
 backends.register_backend("linear", "gluon", _gluon_unavailable,
                           {"fp8_linear": backends.imported("compile_ops.linear.gluon", "fp8_linear_gluon")})
 backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})
