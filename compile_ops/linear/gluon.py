@@ -40,6 +40,7 @@ from compile_ops.mla.gluon import _async_load, _cta_barrier
 
 BK = 128  # K a step: four 32-blocks of scales, one 128-byte row of each weight row's bytes
 
+
 @gluon.jit
 def _widen(w):
     """uint8 e4m3 bytes ``w`` (two consecutive ones a thread) -> bf16, each the byte's value
@@ -124,7 +125,6 @@ def _weight_only_kernel(x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, 
         gl.store(out + i_s.to(gl.int64) * M * N, acc, mask=mask)
     else:
         gl.store(out, acc.to(gl.bfloat16), mask=mask)
-
 
 
 def weight_only_tile(M: int) -> tuple[int, int, int, int]:
