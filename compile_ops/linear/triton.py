@@ -287,9 +287,7 @@ def bf16_gemv_triton(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
     N, K = weight.shape
     out = torch.empty(1, N, dtype=out_dtype, device=x.device)
     BN, BK = gemv_tile(N, K, BF16_GEMV_ROWS)
-    splits = k_splits(1, N, K, BK, BN, GEMV_PROGRAMS, 1)
-    per_split = triton.cdiv(triton.cdiv(K, BK), splits)
-    target = _split_target(splits, 1, N, out)
+    splits, per_split, target = split_k(out, K, BK, BN, GEMV_PROGRAMS, 1)
     launchable(_bf16_gemv_kernel, x)[(triton.cdiv(N, BN), splits)](
         x, weight, target, N, K, x.stride(1), weight.stride(0), per_split, BN=BN, BK=BK,
         ITERS=per_split if INTERPRET else 0, PARTIAL=splits > 1, EVEN=N % BN == 0 and K % BK == 0, num_warps=4)
@@ -389,9 +387,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         xq, x_scale = quantize_tokens_triton(x, block)
     if M <= GEMV_TOKENS:
         BN, BK = gemv_tile(N, K)
-        splits = k_splits(M, N, K, BK, BN, GEMV_PROGRAMS, 1)
-        per_split = triton.cdiv(triton.cdiv(K, BK), splits)
-        target = _split_target(splits, M, N, out)
+        splits, per_split, target = split_k(out, K, BK, BN, GEMV_PROGRAMS, 1)
         launchable(_fp8_gemv_kernel, x)[(M, triton.cdiv(N, BN), splits)](
             xq, weight, weight_scale, target, M, N, K, xq.stride(0), weight.stride(0), weight_scale.stride(0), N,
             N // groups, per_split, BN=BN, BK=BK, SB=block, ITERS=per_split if INTERPRET else 0,
@@ -402,10 +398,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     wide = weight_only and layout.power_of_two
     BM, BN, step, swap, programs = (weight_only_tile(M) if wide
                                     else (tile_rows(M), TILE_N, block, False, TARGET_PROGRAMS))
-    k_blocks = triton.cdiv(K, step)
-    splits = k_splits(M, N, K, step, BN, programs, BM)
-    per_split = triton.cdiv(k_blocks, splits)
-    target = _split_target(splits, M, N, out)
+    splits, per_split, target = split_k(out, K, step, BN, programs, BM)
     launchable(_fp8_gemm_kernel, x)[(triton.cdiv(M, BM), triton.cdiv(N, BN), splits)](
         xq, x_scale, weight, weight_scale, target, M, N, K, xq.stride(0), x_scale.stride(0), x_scale.stride(1),
         weight.stride(0), weight_scale.stride(0), N, N // groups, per_split,
@@ -427,9 +420,17 @@ def _dequantized_mm(x: torch.Tensor, w: torch.Tensor, groups: int, out: torch.Te
     return out
 
 
-def _split_target(splits: int, M: int, N: int, out: torch.Tensor) -> torch.Tensor:
-    """Where a GEMM's programs write: ``out``, or fp32 partials ``[splits, M, N]`` when K is split."""
-    return torch.empty(splits, M, N, dtype=torch.float32, device=out.device) if splits > 1 else out
+def split_k(out: torch.Tensor, K: int, block: int, tile_n: int, programs: int,
+            tile_m: int) -> tuple[int, int, torch.Tensor]:
+    """How a GEMM into ``out`` (``[M, N]``) of ``K``-deep products splits K
+    (:func:`k_splits`): the splits, the ``block``-wide K blocks of each, and where its
+    programs write: ``out``, or fp32 partials ``[splits, M, N]`` (summed by
+    :func:`_sum_splits`) when K is split."""
+    M, N = out.shape
+    splits = k_splits(M, N, K, block, tile_n, programs, tile_m)
+    per_split = triton.cdiv(triton.cdiv(K, block), splits)
+    target = torch.empty(splits, M, N, dtype=torch.float32, device=out.device) if splits > 1 else out
+    return splits, per_split, target
 
 
 def _sum_splits(target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
