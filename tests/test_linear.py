@@ -411,7 +411,19 @@ def test_the_gluon_gemm_takes_only_weight_only_calls_of_32_blocks():
     assert "multiple of 16" in gemm_unsupported((torch.ones(16, 200), *odd, 1))
     with compile_ops.use_backends(linear="gluon"), pytest.raises(ValueError, match="CUDA devices only"):
         compile_ops.backend_for("linear", "cpu")
-    assert compile_ops.backends.backends("linear") == ["scaled_mm", "triton", "gluon", "reference"]
+    assert compile_ops.backends.backends("linear") == ["scaled_mm", "gluon", "triton", "reference"]
+
+
+def test_weight_only_tiles_share_token_tiles_where_k_is_split():
+    """33-64 tokens: two warpgroups (128 weight rows) share each token tile where K is split
+    (V4.1-Flash's ``x`` stack, ``wo_a``, ``wo_b``), one warpgroup where the rows fill the GPU
+    (the ``q`` stack); fewer tokens, one warpgroup; past 64, 128 x 128 tiles."""
+    from compile_ops.linear.gluon import weight_only_tile
+
+    assert weight_only_tile(64, 1792)[:2] == (2, 64) and weight_only_tile(33, 5120)[:2] == (2, 64)
+    assert weight_only_tile(64, 36864)[:2] == (1, 64)
+    assert weight_only_tile(2, 1792)[:2] == (1, 16) and weight_only_tile(32, 1792)[:2] == (1, 32)
+    assert weight_only_tile(256, 1792)[:2] == (2, 128)
 
 
 FLASH_LINEARS = list(FLASH_PROJECTIONS.values())  # (N, K, groups) of V4.1-Flash's FP8 projections

@@ -127,13 +127,20 @@ def _weight_only_kernel(x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, 
         gl.store(out, acc.to(gl.bfloat16), mask=mask)
 
 
-def weight_only_tile(M: int) -> tuple[int, int, int, int]:
-    """``(WG, BT, STAGES, programs)`` of a call of ``M`` tokens: warpgroups a program (``64 *
-    WG`` weight rows), tokens a program, K steps in the ring, and the programs K is split to
-    reach (:func:`compile_ops.linear.triton.k_splits`); the best of an H100 sweep at 64 and
-    256 tokens (``docs/ops.md``)."""
+def weight_only_tile(M: int, N: int) -> tuple[int, int, int, int]:
+    """``(WG, BT, STAGES, programs)`` of a call of ``M`` tokens into ``N`` outputs: warpgroups a
+    program (``64 * WG`` weight rows), tokens a program, K steps in the ring, and the programs
+    K is split to reach (:func:`compile_ops.linear.triton.k_splits`); the best of an H100 sweep
+    at 16, 64 and 256 tokens (``docs/ops.md``). Every program reads its tokens' K steps from
+    L2, twice as many bytes a step as its 64 weight rows' at 64 tokens: where 128-row tiles
+    leave K split over at least two programs, a program of 33-64 tokens takes 128 rows, and
+    two warpgroups share each token tile; where the rows alone fill the GPU, twice the
+    programs of 64 rows run faster."""
     if M <= 64:
-        return 1, max(16, triton.next_power_of_2(M)), 2, 4 * TARGET_PROGRAMS
+        BT = max(16, triton.next_power_of_2(M))
+        if BT == 64 and 2 * triton.cdiv(N, 128) <= TARGET_PROGRAMS:
+            return 2, BT, 2, TARGET_PROGRAMS
+        return 1, BT, 2, 4 * TARGET_PROGRAMS
     return 2, 128, 3, TARGET_PROGRAMS
 
 
@@ -160,7 +167,7 @@ def fp8_linear_gluon(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     M, (N, K) = x.shape[0], weight.shape
     x = x.contiguous().to(torch.bfloat16)
     weight, scale = weight.contiguous(), weight_scale.contiguous().view(torch.uint8)
-    WG, BT, STAGES, programs = weight_only_tile(M)
+    WG, BT, STAGES, programs = weight_only_tile(M, N)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     splits, per_split, target = split_k(out, K, BK, 64 * WG, programs, BT)
     launchable(_weight_only_kernel, x)[(triton.cdiv(M, BT), triton.cdiv(N, 64 * WG), splits)](

@@ -75,7 +75,9 @@ scales); ``w = weight * scale``. Any other scale dtype or shape is refused. Prod
 accumulate in fp32. Shapes follow the inputs only; no host sync. Backends, in ``auto``
 order: ``scaled_mm`` (cuBLAS's blockwise FP8 GEMM through
 ``torch.nn.functional.scaled_mm``, on Hopper with a torch that has it, for 128-block
-calls of one group, at least 128 tokens and 2**19 outputs), ``triton`` (a block-scaled
+calls of one group, at least 128 tokens and 2**19 outputs), ``gluon`` (Hopper: a
+weight-only GEMM of 32-blocks for 2 to 256 tokens with the widened weights as the tensor
+cores' register operand, the ``triton`` kernels for every other call), ``triton`` (a block-scaled
 FP8 GEMM that splits K over the SMs for decode batches, weight-only up to the layout's
 ``weight_only_tokens``, a GEMV on the CUDA cores at ``M = 1``; past them with 32-blocks
 both operands exactly in bf16 on cuBLAS; any CUDA GPU, both layouts), and
@@ -139,17 +141,18 @@ Example::
 backends.register_backend("linear", "scaled_mm", backends.imported("compile_ops.linear.scaled_mm", "available"),
                           {"fp8_linear": backends.imported("compile_ops.linear.scaled_mm", "fp8_linear_scaled_mm")},
                           limits=backends.imported("compile_ops.linear.scaled_mm", "limits"))
-backends.register_backend("linear", "triton", backends.cuda_with_triton,
-                          {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
 
 
 def _gluon_unavailable(device, kv_format):
     return backends.hopper_with_gluon(device)
 
 
-# after triton, which takes every CUDA call: barely faster than its weight-only path (docs/ops.md)
+# before triton: its weight-only GEMM of 2-256 tokens beats the portable kernel's
+# (docs/ops.md); it runs the triton kernels for every other call
 backends.register_backend("linear", "gluon", _gluon_unavailable,
                           {"fp8_linear": backends.imported("compile_ops.linear.gluon", "fp8_linear_gluon")})
+backends.register_backend("linear", "triton", backends.cuda_with_triton,
+                          {"fp8_linear": backends.imported("compile_ops.linear.triton", "fp8_linear_triton")})
 backends.register_backend("linear", "reference", backends.any_device, {"fp8_linear": fp8_linear_reference})
 
 __all__ = ["BLOCK", "LAYOUTS", "BlockLayout", "bf16_linear", "dequantize_blocks", "fp8_linear", "layout_of_block",
