@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from compile_ops._launch import launchable
 from compile_ops._triton_quant import E4M3X2_TO_BF16X2
 from compile_ops.linear.quant import layout_of_scale
-from compile_ops.linear.triton import TARGET_PROGRAMS, _sum_splits, fp8_linear_triton, split_k
+from compile_ops.linear.triton import TARGET_PROGRAMS, fp8_linear_triton, split_k, sum_splits
 from compile_ops.mla.gluon import _async_load, _cta_barrier
 
 BK = 128  # K a step: four 32-blocks of scales, one 128-byte row of each weight row's bytes
@@ -173,4 +173,4 @@ def fp8_linear_gluon(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     launchable(_weight_only_kernel, x)[(triton.cdiv(M, BT), triton.cdiv(N, 64 * WG), splits)](
         x, weight, scale, target, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), N, N // groups,
         per_split, WG=WG, BT=BT, BK=BK, STAGES=STAGES, PARTIAL=splits > 1, num_warps=4 * WG)
-    return _sum_splits(target, out)
+    return sum_splits(target, out)

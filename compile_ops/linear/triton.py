@@ -291,7 +291,7 @@ def bf16_gemv_triton(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
     launchable(_bf16_gemv_kernel, x)[(triton.cdiv(N, BN), splits)](
         x, weight, target, N, K, x.stride(1), weight.stride(0), per_split, BN=BN, BK=BK,
         ITERS=per_split if INTERPRET else 0, PARTIAL=splits > 1, EVEN=N % BN == 0 and K % BK == 0, num_warps=4)
-    return _sum_splits(target, out)
+    return sum_splits(target, out)
 
 
 @triton.jit
@@ -393,7 +393,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
             N // groups, per_split, BN=BN, BK=BK, SB=block, ITERS=per_split if INTERPRET else 0,
             PARTIAL=splits > 1, E8M0=layout.power_of_two, UPCAST=INTERPRET, EVEN=N % BN == 0 and K % BK == 0,
             num_warps=4)
-        return _sum_splits(target, out)
+        return sum_splits(target, out)
     # a weight-only call of 32-blocks steps through K several scale blocks per dot
     wide = weight_only and layout.power_of_two
     BM, BN, step, swap, programs = (weight_only_tile(M) if wide
@@ -406,7 +406,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         BF16_A=weight_only, UPCAST=INTERPRET, SB=block if wide else 0, SWAP=swap,
         num_warps=4 if wide or BM > 16 else 8,
     )
-    return _sum_splits(target, out)
+    return sum_splits(target, out)
 
 
 def _dequantized_mm(x: torch.Tensor, w: torch.Tensor, groups: int, out: torch.Tensor) -> torch.Tensor:
@@ -425,7 +425,7 @@ def split_k(out: torch.Tensor, K: int, block: int, tile_n: int, programs: int,
     """How a GEMM into ``out`` (``[M, N]``) of ``K``-deep products splits K
     (:func:`k_splits`): the splits, the ``block``-wide K blocks of each, and where its
     programs write: ``out``, or fp32 partials ``[splits, M, N]`` (summed by
-    :func:`_sum_splits`) when K is split."""
+    :func:`sum_splits`) when K is split."""
     M, N = out.shape
     splits = k_splits(M, N, K, block, tile_n, programs, tile_m)
     per_split = triton.cdiv(triton.cdiv(K, block), splits)
@@ -433,7 +433,7 @@ def split_k(out: torch.Tensor, K: int, block: int, tile_n: int, programs: int,
     return splits, per_split, target
 
 
-def _sum_splits(target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def sum_splits(target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` (bf16 ``[M, N]``) holding the sum of ``target``'s partials in split order."""
     if target is not out:
         launchable(_sum_splits_kernel, out)[(triton.cdiv(out.numel(), 1024),)](
