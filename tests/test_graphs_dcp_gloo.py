@@ -84,8 +84,8 @@ def equality_worker(rank, world, store, interleave):
     os._exit(0)  # every check passed (helpers.gloo_group says why exit so)
 
 
-# each axis twice, not their grid: four ranks compiling on a CI machine of two cores take
-# three times the two ranks' time
+# each axis twice, not their grid: four ranks compiling on a two-core CI machine are the
+# suite's slowest tests
 @pytest.mark.parametrize("world, interleave", [(2, 1), (2, 4), (4, 4)], ids=["2-I=1", "2-I=4", "4-I=4"])
 def test_dcp_layer_equals_the_single_rank_layer(tmp_path, world, interleave):
     mp.spawn(equality_worker, args=(world, str(tmp_path / "store"), interleave), nprocs=world)
