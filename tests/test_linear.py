@@ -436,8 +436,9 @@ FLASH_LINEARS = list(FLASH_PROJECTIONS.values())  # (N, K, groups) of V4.1-Flash
 def test_gpu_backends_equal_the_reference(M, N, K, groups, block):
     """Each CUDA backend that takes the call (Triton: all; cuBLAS: 128-blocks, one group,
     >= 128 tokens, >= 2**19 outputs; Gluon on sm_90: its GEMM for 32-blocks at 2 to 256
-    tokens) at the layer's shapes; ``auto`` picks cuBLAS where it can (Gluon only when chosen)."""
-    from compile_ops.backends import resolve
+    tokens, the Triton kernels for the rest) at the layer's shapes; ``auto`` picks cuBLAS
+    where it can, then Gluon on sm_90."""
+    from compile_ops.backends import hopper_with_gluon, resolve
 
     gen = torch.Generator(device="cuda").manual_seed(M + N)
     x = torch.randn(M, groups * K, device="cuda", generator=gen).bfloat16()
@@ -445,8 +446,9 @@ def test_gpu_backends_equal_the_reference(M, N, K, groups, block):
     with compile_ops.use_backends(linear="reference"):
         want = fp8_linear(x, wq, ws, groups).float()
     cublas = block == 128 and groups == 1 and M >= 128 and M * N >= 1 << 19
-    gluon = torch.cuda.get_device_capability() == (9, 0)  # its GEMM where it applies, else triton's kernels
-    assert resolve("linear", x.device, args=(x, wq, ws, groups))[0] == ("scaled_mm" if cublas else "triton")
+    gluon = hopper_with_gluon(x.device) is None  # its GEMM where it applies, else triton's kernels
+    assert resolve("linear", x.device, args=(x, wq, ws, groups))[0] == (
+        "scaled_mm" if cublas else "gluon" if gluon else "triton")
     for backend in ("triton", "scaled_mm") if cublas else ("triton", "gluon") if gluon else ("triton",):
         with compile_ops.use_backends(linear=backend):
             got = fp8_linear(x, wq, ws, groups).float()
