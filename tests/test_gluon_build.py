@@ -7,6 +7,7 @@ cubin, SASS) runs here, for every format and both column splits (``dsplit`` 1 an
 the compile-time arguments and options of a real launch (:func:`compile_ops.mla.gluon.launch_options`). The build runs in a process
 of its own: the tests' process runs Triton in its interpreter (``conftest.py``)."""
 
+import concurrent.futures
 import inspect
 import json
 import os
@@ -275,4 +276,5 @@ def test_weight_only_gemm_builds_for_sm90_without_spills(build, reports):
 
 
 if __name__ == "__main__":
-    print(json.dumps({build: build_report(build) for build in sys.argv[1:]}))
+    with concurrent.futures.ProcessPoolExecutor(os.cpu_count()) as pool:  # one build per core
+        print(json.dumps(dict(zip(sys.argv[1:], pool.map(build_report, sys.argv[1:])))))
