@@ -3,6 +3,7 @@ invalid entry, the hypothesis example counts of the active profile, step buffers
 pages, and the gloo group of a spawned worker."""
 
 import contextlib
+import os
 
 import torch
 from hypothesis import settings
@@ -61,6 +62,7 @@ def gloo_group(rank: int, world: int, store_path: str):
     once in ~30 CI runs)."""
     import torch.distributed as dist
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the machine's cores
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         yield dist.group.WORLD.group_name
