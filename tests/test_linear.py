@@ -414,16 +414,16 @@ def test_the_gluon_gemm_takes_only_weight_only_calls_of_32_blocks():
     assert compile_ops.backends.backends("linear") == ["scaled_mm", "gluon", "triton", "reference"]
 
 
-def test_weight_only_tiles_share_token_tiles_where_k_is_split():
-    """33-64 tokens: two warpgroups (128 weight rows) share each token tile where K is split
-    (V4.1-Flash's ``x`` stack, ``wo_a``, ``wo_b``), one warpgroup where the rows fill the GPU
-    (the ``q`` stack); fewer tokens, one warpgroup; past 64, 128 x 128 tiles."""
+def test_weight_only_tiles_split_k_to_twice_the_target_up_to_64_tokens():
+    """Up to 64 tokens one warpgroup (64 weight rows) a program, tokens in tiles of 16, 32
+    or 64, K split to twice the target programs; past 64, 128 x 128 tiles."""
     from compile_ops.linear.gluon import weight_only_tile
+    from compile_ops.linear.triton import TARGET_PROGRAMS
 
-    assert weight_only_tile(64, 1792)[:2] == (2, 64) and weight_only_tile(33, 5120)[:2] == (2, 64)
-    assert weight_only_tile(64, 36864)[:2] == (1, 64)
-    assert weight_only_tile(2, 1792)[:2] == (1, 16) and weight_only_tile(32, 1792)[:2] == (1, 32)
-    assert weight_only_tile(256, 1792)[:2] == (2, 128)
+    assert weight_only_tile(2, 1792) == (1, 16, 2, 2 * TARGET_PROGRAMS)
+    assert weight_only_tile(32, 36864)[:2] == (1, 32) and weight_only_tile(33, 5120)[:2] == (1, 64)
+    assert weight_only_tile(64, 1792)[:2] == (1, 64)
+    assert weight_only_tile(65, 1792) == weight_only_tile(256, 1792) == (2, 128, 3, TARGET_PROGRAMS)
 
 
 FLASH_LINEARS = list(FLASH_PROJECTIONS.values())  # (N, K, groups) of V4.1-Flash's FP8 projections

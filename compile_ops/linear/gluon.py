@@ -130,17 +130,12 @@ def _weight_only_kernel(x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, 
 def weight_only_tile(M: int, N: int) -> tuple[int, int, int, int]:
     """``(WG, BT, STAGES, programs)`` of a call of ``M`` tokens into ``N`` outputs: warpgroups a
     program (``64 * WG`` weight rows), tokens a program, K steps in the ring, and the programs
-    K is split to reach (:func:`compile_ops.linear.triton.k_splits`); the best of an H100 sweep
-    at 16, 64 and 256 tokens (``docs/ops.md``). Every program reads its tokens' K steps from
-    L2, twice as many bytes a step as its 64 weight rows' at 64 tokens: where 128-row tiles
-    leave K split over at least two programs, a program of 33-64 tokens takes 128 rows, and
-    two warpgroups share each token tile; where the rows alone fill the GPU, twice the
-    programs of 64 rows run faster."""
+    K is split to reach (:func:`compile_ops.linear.triton.k_splits`); the best of H100 sweeps
+    at 2 to 256 tokens (``docs/ops.md``). Up to 64 tokens a program takes 64 weight rows and K
+    is split to twice the target: more programs wait on more partial sums, fewer leave
+    the loads too few to cover HBM's latency; past 64 tokens, 128 x 128 tiles."""
     if M <= 64:
-        BT = max(16, triton.next_power_of_2(M))
-        if BT == 64 and 2 * triton.cdiv(N, 128) <= TARGET_PROGRAMS:
-            return 2, BT, 2, TARGET_PROGRAMS
-        return 1, BT, 2, 4 * TARGET_PROGRAMS
+        return 1, max(16, triton.next_power_of_2(M)), 2, 2 * TARGET_PROGRAMS
     return 2, 128, 3, TARGET_PROGRAMS
 
 
