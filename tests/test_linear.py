@@ -420,10 +420,9 @@ def test_weight_only_tiles_split_k_to_twice_the_target_up_to_64_tokens():
     from compile_ops.linear.gluon import weight_only_tile
     from compile_ops.linear.triton import TARGET_PROGRAMS
 
-    assert weight_only_tile(2, 1792) == (1, 16, 2, 2 * TARGET_PROGRAMS)
-    assert weight_only_tile(32, 36864)[:2] == (1, 32) and weight_only_tile(33, 5120)[:2] == (1, 64)
-    assert weight_only_tile(64, 1792)[:2] == (1, 64)
-    assert weight_only_tile(65, 1792) == weight_only_tile(256, 1792) == (2, 128, 3, TARGET_PROGRAMS)
+    assert weight_only_tile(2) == (1, 16, 2, 2 * TARGET_PROGRAMS)
+    assert weight_only_tile(17)[:2] == (1, 32) and weight_only_tile(33)[:2] == weight_only_tile(64)[:2] == (1, 64)
+    assert weight_only_tile(65) == weight_only_tile(256) == (2, 128, 3, TARGET_PROGRAMS)
 
 
 FLASH_LINEARS = list(FLASH_PROJECTIONS.values())  # (N, K, groups) of V4.1-Flash's FP8 projections

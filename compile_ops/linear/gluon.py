@@ -127,8 +127,8 @@ def _weight_only_kernel(x, w, w_s, c, M, N, K, stride_xm, stride_wn, stride_sn, 
         gl.store(out, acc.to(gl.bfloat16), mask=mask)
 
 
-def weight_only_tile(M: int, N: int) -> tuple[int, int, int, int]:
-    """``(WG, BT, STAGES, programs)`` of a call of ``M`` tokens into ``N`` outputs: warpgroups a
+def weight_only_tile(M: int) -> tuple[int, int, int, int]:
+    """``(WG, BT, STAGES, programs)`` of a call of ``M`` tokens: warpgroups a
     program (``64 * WG`` weight rows), tokens a program, K steps in the ring, and the programs
     K is split to reach (:func:`compile_ops.linear.triton.k_splits`); the best of H100 sweeps
     at 2 to 256 tokens (``docs/ops.md``). Up to 64 tokens a program takes 64 weight rows and K
@@ -162,7 +162,7 @@ def fp8_linear_gluon(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     M, (N, K) = x.shape[0], weight.shape
     x = x.contiguous().to(torch.bfloat16)
     weight, scale = weight.contiguous(), weight_scale.contiguous().view(torch.uint8)
-    WG, BT, STAGES, programs = weight_only_tile(M, N)
+    WG, BT, STAGES, programs = weight_only_tile(M)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     splits, per_split, target = split_k(out, K, BK, 64 * WG, programs, BT)
     launchable(_weight_only_kernel, x)[(triton.cdiv(M, BT), triton.cdiv(N, 64 * WG), splits)](
