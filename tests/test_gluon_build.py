@@ -173,6 +173,14 @@ def loop_barriers(sass: str) -> list[int]:
     return counts
 
 
+def waits_before_memory(ptx: str) -> bool:
+    """Whether a kernel's PTX waits for the stream's previous kernel (``griddepcontrol.wait``,
+    a programmatic dependent launch) before its first global load, store, atomic or copy."""
+    wait = ptx.find("griddepcontrol.wait")
+    first = re.search(r"\b(?:ld|st|atom|red)\.global|\bcp\.async\.", ptx)
+    return wait >= 0 and (first is None or wait < first.start())
+
+
 def build_report(build):
     """What the tests check of one ``"kv_format:dsplit"`` (or ``INDEXER_BUILDS``) sm_90 build."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -183,7 +191,7 @@ def build_report(build):
         compiled = build_topk_sm90(int(source), int(seg), int(k_pad), last == "1", int(then_seg), int(warps))
         sass = full_sass(compiled.asm["cubin"])
         return dict(spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)), loops=loop_barriers(sass),
-                    redux=sass.count("REDUX"))
+                    redux=sass.count("REDUX"), waits=waits_before_memory(compiled.asm["ptx"]))
     if build.startswith("linear:"):
         _, warpgroups, tokens, stages, partial = build.split(":")
         compiled = build_linear_sm90(int(warpgroups), int(tokens), int(stages), partial == "1")
@@ -198,7 +206,8 @@ def build_report(build):
         sass = full_sass(compiled.asm["cubin"])
         return dict(shared=compiled.metadata.shared, spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
                     wgmma=sass.count("QGMMA"), copies=sass.count("LDGSTS.E.BYPASS.128"),
-                    shapes=sorted(set(re.findall(r"QGMMA\.(\w+)", sass))))
+                    shapes=sorted(set(re.findall(r"QGMMA\.(\w+)", sass))),
+                    waits=waits_before_memory(compiled.asm["ptx"]))
     kv_format, dsplit = build.split(":")
     compiled = build_sm90(kv_format, int(dsplit))
     sass = full_sass(compiled.asm["cubin"])
@@ -207,6 +216,7 @@ def build_report(build):
         spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
         wgmma=sass.count("HGMMA"),
         setmaxnreg=sass.count("USETMAXREG"),
+        waits=waits_before_memory(compiled.asm["ptx"]),
     )
 
 
@@ -234,6 +244,7 @@ def test_gluon_kernel_builds_for_sm90_without_spills(build, reports):
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
     assert report["wgmma"] > 0  # the products run as wgmma
     assert report["setmaxnreg"] >= 3  # the warpgroups' register split survived
+    assert report["waits"], "a programmatic dependent launch reads memory before griddepcontrol.wait"
 
 
 @pytest.mark.parametrize("build", INDEXER_BUILDS)
@@ -242,11 +253,13 @@ def test_indexer_scores_build_for_sm90_without_spills(build, reports):
     ``cp.async`` (a wider or narrower row layout would split them), four 32-deep e4m3
     ``wgmma`` a block (fp4: one per 32 values, each under its own scales; fp8: one
     128-deep product from shared memory, of a pair of tokens' queries where one token's
-    heads are fewer than 64)."""
+    heads are fewer than 64); launched as a programmatic dependent, it touches no global
+    memory before it has waited for the kernel before it."""
     report = reports[build]
     assert report["shared"] <= SM90_SHARED_BYTES, f"{report['shared']} bytes of shared memory"
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
     assert report["copies"] >= 2 and report["wgmma"] >= 4, report
+    assert report["waits"], "a programmatic dependent launch reads memory before griddepcontrol.wait"
     _, index_format, heads, _, _, _, tokens = build.split(":")
     if index_format == "fp8":  # a pair of tokens' queries are one product's columns where one's are under 64
         width = max(16, int(heads)) * (2 if tokens != "1" and int(heads) < 64 else 1)
@@ -255,12 +268,15 @@ def test_indexer_scores_build_for_sm90_without_spills(build, reports):
 
 @pytest.mark.parametrize("build", TOPK_BUILDS)
 def test_topk_levels_build_for_sm90_with_one_barrier_a_search_step(build, reports):
-    """The Gluon top-k level: no spills, and its search loop (two steps an iteration) two
-    barriers, one a step (``tl.sum``'s block reduction takes three a step)."""
+    """The Gluon top-k level: no spills, its search loop (two steps an iteration) two
+    barriers, one a step (``tl.sum``'s block reduction takes three a step), and no global
+    memory touched before it has waited for the kernel before it (a programmatic dependent
+    launch)."""
     report = reports[build]
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
     assert report["redux"] >= 2 and 2 in report["loops"], report  # the counts within a warp: REDUX
     assert all(count <= 2 for count in report["loops"]), report
+    assert report["waits"], "a programmatic dependent launch reads memory before griddepcontrol.wait"
 
 
 @pytest.mark.parametrize("build", LINEAR_BUILDS)

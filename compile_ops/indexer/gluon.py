@@ -47,6 +47,12 @@ request reads its keys ``TB`` times fewer than one token a program does. It stor
 scores (``-inf`` at holes, outside the token's candidate blocks and nowhere past its count);
 for rows long enough that their top-k starts from groups of 16 entries, the groups' best
 scores too (a warp's 16 rows of the product are one group: a reduction within the warp).
+
+Both kernels are programmatic dependent launches (``launch_pdl``): a launch may start
+while the stream's previous kernel ends, and each program waits for that kernel
+(``griddepcontrol.wait``) before its first global access. Neither lets its own dependents
+start early (``griddepcontrol.launch_dependents``): the next launch's programs would then
+hold SM room while this one's still run, which measured slower (``docs/performance-indexer.md``).
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
 from compile_ops.indexer.triton import (BN, TOPK_GROUP, GroupMaxima, _level_entries, _local_count, _store_group_counts,
                                         indexer_candidates_triton, indexer_topk_and_candidates_triton,
                                         indexer_topk_triton, scores_tokens)
-from compile_ops.mla.gluon import _async_load, _cta_barrier
+from compile_ops.mla.gluon import _async_load, _cta_barrier, _wait_prior_grid
 from compile_ops.mla.plan import num_sms
 
 # programs per SM (4 warps each): one launch fills every SM once and each program streams
@@ -309,6 +315,9 @@ def _scores_kernel(
     CPL: gl.constexpr = gl.BlockedLayout([1, 16], [512 // ROW_BYTES, ROW_BYTES // 16], [4, 1], [1, 0])
     CROW: gl.constexpr = gl.SliceLayout(1, CPL)
 
+    # a programmatic dependent launch (launch_scores_gluon): nothing is read or written
+    # before the stream's previous kernel has finished
+    _wait_prior_grid()
     i_b, i_s = gl.program_id(0), gl.program_id(1)
     o_j = gl.arange(0, TB, JL)
     t_j = i_b * TB + o_j
@@ -550,6 +559,7 @@ def _topk_level_kernel(
            gl.allocate_shared_memory(gl.int32, [W], SCR), gl.allocate_shared_memory(gl.int32, [W], SCR),
            gl.allocate_shared_memory(gl.int32, [W], SCR), gl.allocate_shared_memory(gl.int32, [W], SCR))
     held_scr = gl.allocate_shared_memory(gl.int32, [W], SCR)
+    _wait_prior_grid()  # a programmatic dependent launch, as the scores kernel is
     i_t, i_s = gl.program_id(0), gl.program_id(1)
     n_t = gl.maximum(gl.load(n + i_t), 0)
     if (n_t > PREV_COVER) & ((i_s == 0) | (i_s * COVER < n_t)):
@@ -584,7 +594,7 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
         HI=max(16, triton.next_power_of_2(q.shape[1])), TB=TB, RESTRICT=args.candidates is not None, BN=BN,
         PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES,
         FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4,
-        maxnreg=max_registers(TB, args.fmt.fp4))
+        maxnreg=max_registers(TB, args.fmt.fp4), launch_pdl=True)
 
 
 def key_splits(blocks: int, tokens: int, key_blocks: int, sms: int) -> int:

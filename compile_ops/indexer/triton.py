@@ -600,7 +600,8 @@ def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, tickets, groups=None
     the row's ``k``-th best key into ``bound``); ``tickets [T]`` int32 zeros, zeros again
     after. ``level_kernel``: a kernel of ``_segment_topk_kernel``'s arguments less ``SORTED``
     plus ``W`` (its warps), for the levels that do not sort and hold at least one entry per
-    thread."""
+    thread; it is launched as a programmatic dependent of the kernel before it, so it must
+    wait for that kernel (``griddepcontrol.wait``) before its first global access."""
     T = src.shape[0]
     src_vals, src_ids, prev_cover = src, groups if levels[0].source == 2 else n, -1
     for level in levels:
@@ -617,7 +618,7 @@ def _launch(levels: list[TopkLaunch], src, n, ids, vals, k, tickets, groups=None
                          BOUND=store_bound, THEN_SEG=level.then_seg, num_warps=level.warps)
         if level_kernel is not None and not level.sort and all(seg >= 32 * level.warps
                                                                 for seg in (level.seg, level.then_seg) if seg):
-            level_kernel[(T, level.programs)](*arguments, W=level.warps, **constants)
+            level_kernel[(T, level.programs)](*arguments, W=level.warps, launch_pdl=True, **constants)
         else:
             launchable(_segment_topk_kernel, src)[(T, level.programs)](*arguments, SORTED=level.sort, **constants)
         src_vals, src_ids, prev_cover = cand_vals, cand_ids, level.cover
