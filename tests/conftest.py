@@ -2,7 +2,9 @@
 
 On a machine without CUDA the Triton kernels run in Triton's interpreter: the switch is
 made once, here, before anything imports triton (Triton reads TRITON_INTERPRET at import).
-Tests marked ``gpu`` are skipped without CUDA; they run on the device machine. GPU-only
+Tests marked ``gpu`` are skipped without CUDA; they run on the device machine. Under
+pytest-xdist (the README's command) each worker process sets torch's threads to its share
+of the cores, so the workers do not oversubscribe them. GPU-only
 test files end in ``_gpu.py``; ``scripts/`` holds programs the tests start (not tests).
 
 Hypothesis profiles: ``ci`` (the default, 100 examples per property) and ``deep`` (10 000),
