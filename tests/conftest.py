@@ -27,7 +27,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # a pytest-xdist worker: its share of the cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    from helpers import cores_each  # (imports triton: after the interpreter switch above)
+
+    torch.set_num_threads(cores_each(int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config, items):

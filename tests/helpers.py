@@ -12,6 +12,11 @@ from compile_ops import write_kv
 from compile_ops.formats import new_cache
 
 
+def cores_each(processes: int) -> int:
+    """Torch threads for each of ``processes`` processes sharing this machine's cores (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
 def examples(share: float = 1.0) -> int:
     """``share`` of the active hypothesis profile's examples per property (``ci`` by
     default, ``deep`` with ``pytest --hypothesis-profile deep``; see ``conftest.py``)."""
@@ -62,7 +67,7 @@ def gloo_group(rank: int, world: int, store_path: str):
     once in ~30 CI runs)."""
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the machine's cores
+    torch.set_num_threads(cores_each(world))  # the ranks share the machine's cores
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         yield dist.group.WORLD.group_name

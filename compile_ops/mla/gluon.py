@@ -69,9 +69,10 @@ MAX_REGS = 168
 @gluon.jit
 def _wait_prior_grid():
     """``griddepcontrol.wait``: this kernel is a programmatic dependent launch, so its programs
-    may start while the stream's previous kernel still runs (often the previous call's LSE
-    merge, which reads the partials this call overwrites). Every partition waits here for
-    that kernel to finish, and for its writes, before its first global load or store."""
+    may start while the stream's previous kernel still runs (for the attention kernel often
+    the previous call's LSE merge, which reads the partials this call overwrites; the
+    indexer's kernels, ``compile_ops.indexer.gluon``, wait here too). Every partition waits
+    here for that kernel to finish, and for its writes, before its first global load or store."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
