@@ -207,7 +207,8 @@ def build_report(build):
         return dict(shared=compiled.metadata.shared, spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
                     wgmma=sass.count("QGMMA"), copies=sass.count("LDGSTS.E.BYPASS.128"),
                     shapes=sorted(set(re.findall(r"QGMMA\.(\w+)", sass))),
-                    waits=waits_before_memory(compiled.asm["ptx"]))
+                    waits=waits_before_memory(compiled.asm["ptx"]),
+                    overlapped=bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", compiled.asm["ptx"])))
     kv_format, dsplit = build.split(":")
     compiled = build_sm90(kv_format, int(dsplit))
     sass = full_sass(compiled.asm["cubin"])
@@ -253,8 +254,9 @@ def test_indexer_scores_build_for_sm90_without_spills(build, reports):
     ``cp.async`` (a wider or narrower row layout would split them), four 32-deep e4m3
     ``wgmma`` a block (fp4: one per 32 values, each under its own scales; fp8: one
     128-deep product from shared memory, of a pair of tokens' queries where one token's
-    heads are fewer than 64); launched as a programmatic dependent, it touches no global
-    memory before it has waited for the kernel before it."""
+    heads are fewer than 64, the second pair's product in flight while the first's scores
+    are summed); launched as a programmatic dependent, it touches no global memory before
+    it has waited for the kernel before it."""
     report = reports[build]
     assert report["shared"] <= SM90_SHARED_BYTES, f"{report['shared']} bytes of shared memory"
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
@@ -262,8 +264,10 @@ def test_indexer_scores_build_for_sm90_without_spills(build, reports):
     assert report["waits"], "a programmatic dependent launch reads memory before griddepcontrol.wait"
     _, index_format, heads, _, _, _, tokens = build.split(":")
     if index_format == "fp8":  # a pair of tokens' queries are one product's columns where one's are under 64
-        width = max(16, int(heads)) * (2 if tokens != "1" and int(heads) < 64 else 1)
+        pairs = tokens != "1" and int(heads) < 64
+        width = max(16, int(heads)) * (2 if pairs else 1)
         assert report["shapes"] == [f"64x{width}x32"], report
+        assert report["overlapped"] == (pairs and int(tokens) > 2), report
 
 
 @pytest.mark.parametrize("build", TOPK_BUILDS)

@@ -20,8 +20,9 @@ the MMA's operand layout, which costs more than the conversion. Here, for both f
 shared-memory layout: one 128-deep e4m3 product per block, issued before the next block's
 copy and waited for after it, then ``scale * sum_h w[h] relu(.)``; a program of several
 tokens of fewer than 64 heads (V4.1's 32) multiplies a pair of tokens' queries at once, the
-product's columns the first token's heads, then the second's. The query is e4m3 with one
-power-of-two scale per head, folded into its weight, as the portable kernel has it.
+product's columns the first token's heads, then the second's, and issues the next pair's
+product before summing this pair's scores. The query is e4m3 with one power-of-two scale
+per head, folded into its weight, as the portable kernel has it.
 
 ``fp4`` keys (64 bytes of e2m1 pairs and four ue8m0 bytes a key) go through registers:
 
@@ -300,6 +301,9 @@ def _scores_kernel(
     # tokens' queries are one product's columns, as wide as a 64-head token's
     PAIR: gl.constexpr = TB > 1 and not FP4 and HI < 64
     STEP: gl.constexpr = 2 if PAIR else 1  # tokens a product
+    # tokens of the products in flight together: two pairs' products (a 64-head token's product
+    # beside another's spills under the prefill register limit)
+    PIPE: gl.constexpr = 2 * STEP if PAIR and TB > STEP else STEP
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, STEP * HI, 32])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4)
@@ -401,20 +405,33 @@ def _scores_kernel(
                                           s_gt, BN, G, GROUPS)
                     else:  # one 128-deep product from shared memory for STEP tokens
                         scale = exps.to(gl.float32, bitcast=True)  # the keys' fp32 scales
-                        for j in range(0, TB, STEP):
-                            acc = warpgroup_mma(keys, q_smem.index(j // STEP).permute((1, 0)), zero, use_acc=False)
-                            x = gl.maximum(acc, 0.0) * w_smem.index(j // STEP).load(COL)[None, :]
-                            if PAIR:  # the first token's heads, then the second's
-                                first = (gl.arange(0, STEP * HI, COL) < HI)[None, :]
-                                _token_scores(gl.sum(gl.where(first, x, 0.0), 1) * scale, scored, blk * BN,
-                                              i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, gmax, s_gt, BN, G,
-                                              GROUPS)
-                                _token_scores(gl.sum(gl.where(first, 0.0, x), 1) * scale, scored, blk * BN,
-                                              i_b * TB + j + 1, j + 1, run_j, n_j, o_j, scores, s_st, gmax, s_gt, BN,
-                                              G, GROUPS)
-                            else:
-                                _token_scores(gl.sum(x, 1) * scale, scored, blk * BN, i_b * TB + j, j, run_j, n_j, o_j,
-                                              scores, s_st, gmax, s_gt, BN, G, GROUPS)
+                        # up to two products in flight (PIPE): the second runs on the tensor cores while the
+                        # first's scores are summed
+                        for j0 in range(0, TB, PIPE):
+                            acc = warpgroup_mma(keys, q_smem.index(j0 // STEP).permute((1, 0)), zero, use_acc=False,
+                                                is_async=True)
+                            for d in gl.static_range(0, PIPE, STEP):
+                                j = j0 + d
+                                if d + STEP < PIPE:
+                                    second = warpgroup_mma(keys, q_smem.index(j // STEP + 1).permute((1, 0)), zero,
+                                                          use_acc=False, is_async=True)
+                                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                                else:
+                                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                                x = gl.maximum(acc, 0.0) * w_smem.index(j // STEP).load(COL)[None, :]
+                                if PAIR:  # the first token's heads, then the second's
+                                    first = (gl.arange(0, STEP * HI, COL) < HI)[None, :]
+                                    _token_scores(gl.sum(gl.where(first, x, 0.0), 1) * scale, scored, blk * BN,
+                                                  i_b * TB + j, j, run_j, n_j, o_j, scores, s_st, gmax, s_gt, BN, G,
+                                                  GROUPS)
+                                    _token_scores(gl.sum(gl.where(first, 0.0, x), 1) * scale, scored, blk * BN,
+                                                  i_b * TB + j + 1, j + 1, run_j, n_j, o_j, scores, s_st, gmax, s_gt,
+                                                  BN, G, GROUPS)
+                                else:
+                                    _token_scores(gl.sum(x, 1) * scale, scored, blk * BN, i_b * TB + j, j, run_j, n_j,
+                                                  o_j, scores, s_st, gmax, s_gt, BN, G, GROUPS)
+                                if d + STEP < PIPE:
+                                    acc = second
                     page = next_page
                     bits = next_bits
                 async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
