@@ -313,11 +313,7 @@ def _scores_kernel(
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BN, 16])
     ROW: gl.constexpr = gl.SliceLayout(1, ACC)
     COL: gl.constexpr = gl.SliceLayout(0, ACC)
-    # the program's tokens: with fp8 keys (the token loop unrolled) every thread holds all of
-    # them, so a token's count is a register, not a reduction across lanes each block; a lane
-    # a token with fp4 keys (a token loop) and with candidate blocks on pages of any size (a
-    # division per row: too few registers left under the prefill limit)
-    JL: gl.constexpr = gl.BlockedLayout([TB if not FP4 and (PAGE_SHIFT >= 0 or not RESTRICT) else 1], [32], [4], [0])
+    JL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # the program's tokens
     ROW_BYTES: gl.constexpr = 64 if FP4 else 128
     # the copies: 16 bytes a lane, a row's bytes over ROW_BYTES // 16 lanes
     CPL: gl.constexpr = gl.BlockedLayout([1, 16], [512 // ROW_BYTES, ROW_BYTES // 16], [4, 1], [1, 0])
