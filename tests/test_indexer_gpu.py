@@ -206,6 +206,33 @@ def test_gpu_prefill_token_blocks_on_both_scores_kernels(backend, index_format, 
             assert torch.equal(got, want), (order, kw.keys())
 
 
+@pytest.mark.parametrize("order", ["score", "id"])
+@pytest.mark.parametrize("backend", ["gluon", "triton"])
+def test_gpu_prefill_group_maxima_count_only_each_tokens_entries(backend, order):
+    """A causal chunk whose rows (16K entries) take the top-k's groups, several tokens a
+    program: every group's last entry scores high, the higher the newer, the others low. A
+    token whose newest group ends past its count must not see that group's last entry,
+    which a later token of its program scores: it would outrank every group the token sees
+    and push out the oldest of its top-k. The ids equal the reference's."""
+    from compile_ops.indexer.triton import TOPK_GROUP, grouped
+
+    T, heads, n_max, k, page = 256, 32, 16384, 512, 64
+    q, weights, cache, table, rows, n = big_problem(T, heads, n_max, page_size=page, causal=True)
+    # a program's first token (four a program) whose program scores the last entry of its newest group
+    assert grouped(n_max, k) and ((n[::4] + 2) % TOPK_GROUP == TOPK_GROUP - 1).any()
+    entry = torch.arange(n_max, device="cuda")
+    slots = table[0, entry // page].long() * page + entry % page
+    high = entry % TOPK_GROUP == TOPK_GROUP - 1
+    keys = torch.zeros(n_max, 128, device="cuda")
+    keys[:, 0] = torch.where(high, 100 + entry // TOPK_GROUP, 1 + entry % 2).float()
+    mapped = slots >= 0
+    compile_ops.write_index_keys(cache, slots[mapped], keys[mapped], "fp8")
+    q.zero_()[:, :, 0] = 1
+    weights.fill_(1)
+    got, want = both((q, weights, cache, table, rows, n), k, "fp8", backend, order=order)
+    assert torch.equal(got, want)
+
+
 def test_gpu_graph_replay_new_lengths_no_sync():
     """Captured once; replays with new counts give the reference's ids; no host sync."""
     args = list(big_problem(8, 64, 1 << 14, seed=3))
