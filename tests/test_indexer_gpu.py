@@ -210,10 +210,10 @@ def test_gpu_prefill_token_blocks_on_both_scores_kernels(backend, index_format, 
 @pytest.mark.parametrize("backend", ["gluon", "triton"])
 def test_gpu_prefill_group_maxima_count_only_each_tokens_entries(backend, order):
     """A causal chunk whose rows (16K entries) take the top-k's groups, several tokens a
-    program: every group's last entry scores high, the higher the newer, the others low. A
-    token whose newest group ends past its count must not see that group's last entry,
-    which a later token of its program scores: it would outrank every group the token sees
-    and push out the oldest of its top-k. The ids equal the reference's."""
+    program: every group's last entry scores high, the higher the newer (no ties), the others
+    low. A token whose newest group ends past its count must not see that group's last
+    entry, which a later token of its program scores: it would outrank every group the
+    token sees and push out the oldest of its top-k. The ids equal the reference's."""
     from compile_ops.indexer.triton import TOPK_GROUP, grouped
 
     T, heads, n_max, k, page = 256, 32, 16384, 512, 64
@@ -222,12 +222,14 @@ def test_gpu_prefill_group_maxima_count_only_each_tokens_entries(backend, order)
     assert grouped(n_max, k) and ((n[::4] + 2) % TOPK_GROUP == TOPK_GROUP - 1).any()
     entry = torch.arange(n_max, device="cuda")
     slots = table[0, entry // page].long() * page + entry % page
-    high = entry % TOPK_GROUP == TOPK_GROUP - 1
-    keys = torch.zeros(n_max, 128, device="cuda")
-    keys[:, 0] = torch.where(high, 100 + entry // TOPK_GROUP, 1 + entry % 2).float()
+    # a key's values sum to its score (all-ones queries): a group's last entry 500 + its group,
+    # as values of at most 15 (exact in e4m3 under the row's power-of-two scale), the others 1 or 2
+    total = torch.where(entry % TOPK_GROUP == TOPK_GROUP - 1, 500 + entry // TOPK_GROUP, 1 + entry % 2)
+    d = torch.arange(128, device="cuda")
+    keys = (total[:, None] - 15 * d[None, :]).clamp(0, 15).float()
     mapped = slots >= 0
     compile_ops.write_index_keys(cache, slots[mapped], keys[mapped], "fp8")
-    q.zero_()[:, :, 0] = 1
+    q.fill_(1)
     weights.fill_(1)
     got, want = both((q, weights, cache, table, rows, n), k, "fp8", backend, order=order)
     assert torch.equal(got, want)
