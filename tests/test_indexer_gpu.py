@@ -214,12 +214,14 @@ def test_gpu_prefill_group_maxima_count_only_each_tokens_entries(backend, order)
     low. A token whose newest group ends past its count must not see that group's last
     entry, which a later token of its program scores: it would outrank every group the
     token sees and push out the oldest of its top-k. The ids equal the reference's."""
-    from compile_ops.indexer.triton import TOPK_GROUP, grouped
+    from compile_ops.indexer.gluon import GLUON_TOKENS
+    from compile_ops.indexer.triton import SCORES_TOKENS, TOPK_GROUP, grouped
 
     T, heads, n_max, k, page = 256, 32, 16384, 512, 64
     q, weights, cache, table, rows, n = big_problem(T, heads, n_max, page_size=page, causal=True)
-    # a program's first token (four a program) whose program scores the last entry of its newest group
-    assert grouped(n_max, k) and ((n[::4] + 2) % TOPK_GROUP == TOPK_GROUP - 1).any()
+    tokens = GLUON_TOKENS if backend == "gluon" else SCORES_TOKENS  # a program's (one request's chunk)
+    # a program's first token whose program scores the last entry of its newest group (entry n + 2)
+    assert grouped(n_max, k) and tokens >= 3 and ((n[::tokens] + 2) % TOPK_GROUP == TOPK_GROUP - 1).any()
     entry = torch.arange(n_max, device="cuda")
     slots = table[0, entry // page].long() * page + entry % page
     # a key's values sum to its score (all-ones queries): a group's last entry 500 + its group,

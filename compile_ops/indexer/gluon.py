@@ -274,12 +274,13 @@ def _token_scores(b_s, bits, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, gma
     blocks) stored up to its own count, and the top-k's group maxima of them."""
     c = first + gl.arange(0, BN, b_s.type.layout)
     n_t = gl.sum(gl.where((o_j == i_t) & run_j, n_j, 0), 0)  # 0: not in the run
+    seen = c < n_t
     b_s = gl.where(((bits >> i_t) & 1) != 0, b_s, float("-inf"))
-    gl.store(p_scores + t.to(gl.int64) * s_st + c, b_s, mask=c < n_t)
+    gl.store(p_scores + t.to(gl.int64) * s_st + c, b_s, mask=seen)
     if GROUPS:  # the top-k's first pass, while the scores are in registers (a warp's rows: one group)
         x = gl.where(b_s > float("-inf"), b_s, float("-inf"))  # NaN is no entry
         if o_j.shape[0] > 1:  # the block was scored up to the run's largest count: not a later token's entries
-            x = gl.where(c < n_t, x, float("-inf"))
+            x = gl.where(seen, x, float("-inf"))
         best = gl.max(gl.reshape(x, [BN // G, G]), 1)
         o_g = first // G + gl.arange(0, BN // G, best.type.layout)
         gl.store(gmax + t.to(gl.int64) * s_gt + o_g, best, mask=o_g < gl.cdiv(n_t, G))
