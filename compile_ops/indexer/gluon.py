@@ -53,7 +53,7 @@ Both kernels are programmatic dependent launches (``launch_pdl``): a launch may 
 while the stream's previous kernel ends, and each program waits for that kernel
 (``griddepcontrol.wait``) before its first global access. Neither lets its own dependents
 start early (``griddepcontrol.launch_dependents``): the next launch's programs would then
-hold SM room while this one's still run, which measured slower (``docs/performance-indexer.md``).
+hold SM room while this one's still run, which measured slower (``docs/performance-indexer-history.md``).
 """
 
 from __future__ import annotations

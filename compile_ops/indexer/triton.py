@@ -71,7 +71,7 @@ TOPK_GATHER_SEGMENT = 4096  # ... when it gathers them through group ids (8192 s
 TOPK_GROUP = 16  # entries per group of a long row's first selection
 # a launch of at most this many programs an SM runs the rows' last level in its programs (a
 # launch fewer); past it (a prefill chunk's thousands of rows) the last level's own launch is
-# faster (docs/performance-indexer.md)
+# faster (docs/performance-indexer-history.md)
 TOPK_THEN_PROGRAMS_PER_SM = 2
 # rows of more than this many k * TOPK_GROUP entries select groups first (at k = 512: rows
 # past one top-k program's segment, which would otherwise take a second level)
@@ -80,7 +80,8 @@ SCORES_BYTES = 256 << 20  # the scores buffer of one token chunk (a long prefill
 SCORES_TOKENS = 4  # most tokens of one request a ``tl`` scores program takes (scores_tokens)
 FP4_QUERY_ROWS = 64  # ... and at most this many query rows (tokens x heads) of fp4 keys: more spill on sm_90
 # the scores kernel's (programs per SM, key blocks in flight per program) for keys gathered
-# row by row / copied a block at a time (the best of H200 sweeps, docs/performance-indexer.md)
+# row by row / copied a block at a time (the best of H200 sweeps,
+# docs/performance-indexer-history.md)
 SCORE_LAUNCH = {False: (16, 1), True: (4, 3)}
 MASK_CHUNK = 4096  # candidate-mask bytes one program clears per step
 BLOCK_MAX_BLOCKS = 64  # candidate blocks one program of the block maxima takes per step
@@ -718,7 +719,7 @@ def key_blocks(cache: torch.Tensor, fp8: bool):
     ``cache`` itself where a page is not whole blocks or its stride is not 16-byte aligned
     (the kernel then gathers the keys row by row). Pages of 32 entries (DeepSeek's 64-token
     blocks at ratio 2) are gathered: a 32-entry block per bulk copy measured slower than the
-    gather (docs/performance-indexer.md). A traced launch (``lowering.inductor`` inlining
+    gather (docs/performance-indexer-history.md). A traced launch (``lowering.inductor`` inlining
     the op into an AOTInductor package) gathers too: a descriptor holds the address, which
     a trace does not know."""
     pages, page_size = cache.shape[:2]
