@@ -30,6 +30,10 @@ BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
 # one token a program or a prefill step's blocks of them)
 INDEXER_BUILDS = [f"indexer:{fmt}:{build}:{tokens}" for fmt in ("fp4", "fp8")
                   for build in ("32:0:6:0", "32:1:-1:1", "64:0:5:1", "64:1:6:0", "16:0:6:1") for tokens in (1, 4)]
+# ... and the prefill launches of the V4.1-Flash stack slice (python -m graphs.targets --only
+# prefill): a ratio-2 layer's 32-entry pages, a ratio-1 layer's 64-entry pages, the layer
+# inside the candidate source's blocks; each with the group maxima of rows past 8K entries
+INDEXER_BUILDS += [f"indexer:fp8:{build}:4" for build in ("32:0:5:1", "32:0:6:1", "32:1:6:1")]
 
 # the weight-only FP8 GEMM (compile_ops/linear/gluon.py): every tile weight_only_tile gives,
 # "linear:warpgroups:tokens:stages:partial" (K split into fp32 partials or not)
