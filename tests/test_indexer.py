@@ -214,6 +214,25 @@ def test_interpreter_token_blocks_equal_reference(index_format, tokens, shard, g
     tokens: the ids in either order, with and without candidate blocks, the candidate
     blocks, and (``grouped``) the group maxima the top-k starts from are exactly the
     reference's."""
+    rows = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0, -1, 3, 2, 2, 9], dtype=i32)  # 9: no such row
+    n = torch.tensor([7, 8, 9, 13, 14, 15, 16, 17, 0, 30, 1, 2, 5], dtype=i32)
+    _token_blocks_equal_reference(index_format, tokens, shard, grouped, rows, n, monkeypatch)
+
+
+@pytest.mark.parametrize("index_format", FORMATS)
+def test_interpreter_token_blocks_of_interleaved_requests_equal_reference(index_format, monkeypatch):
+    """The op takes a step's tokens in any order: where one request's tokens are not
+    consecutive (a program's block holds two requests in turn, a request's run starting
+    again after another's), the ids, candidate blocks and group maxima are still exactly
+    the reference's."""
+    rows = torch.tensor([1, 0, 1, 0, 2, 1, 2, 1, -1, 3, 0, 3, 0], dtype=i32)
+    n = torch.tensor([7, 13, 8, 14, 1, 9, 2, 10, 0, 30, 15, 31, 16], dtype=i32)
+    _token_blocks_equal_reference(index_format, 4, (0, 1, 1), True, rows, n, monkeypatch)
+
+
+def _token_blocks_equal_reference(index_format, tokens, shard, grouped, rows, n, monkeypatch):
+    """The checks of the two tests above: ``tokens`` tokens a scores program over a 13-token
+    step of request ``rows`` seeing ``n`` entries each (times the shard's world size)."""
     pytest.importorskip("triton")
     from compile_ops.indexer import triton as kernels
     from compile_ops.indexer.reference import indexer_candidates_reference, indexer_topk_reference
@@ -224,9 +243,7 @@ def test_interpreter_token_blocks_equal_reference(index_format, tokens, shard, g
         monkeypatch.setattr(kernels, "TOPK_GROUP", 4)
         monkeypatch.setattr(kernels, "_group_max_kernel", None)  # a launch of it would fail
     q, w, cache, table, _, _ = make_problem(index_format, 13, 3, 4, 5, 4, seed=tokens + shard[1], holes=2)
-    rows = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0, -1, 3, 2, 2, 9], dtype=i32)  # 9: no such row
-    n = torch.tensor([7, 8, 9, 13, 14, 15, 16, 17, 0, 30, 1, 2, 5], dtype=i32) * shard[1]
-    args = (q, w, cache, table, rows, n)
+    args = (q, w, cache, table, rows, n * shard[1])
     fmt = ops._check_topk(*args, 6, index_format)
     blocks = ops._args(*args, 3, fmt, candidate_block=4, shard=shard)
     want_blocks = indexer_candidates_reference(blocks)[0]

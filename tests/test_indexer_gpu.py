@@ -185,7 +185,9 @@ def test_gpu_prefill_token_blocks_on_both_scores_kernels(backend, index_format, 
     """Prefill chunks on each scores kernel, several tokens a program (``scores_tokens``):
     one request's 1 024-token chunk, and chunks of three requests whose runs (333, 500 and
     191 tokens) start and end inside the programs' token blocks, with and without candidate
-    blocks (each token its own): ids in both orders equal the reference's."""
+    blocks (each token its own), and the same tokens in a shuffled order (a request's
+    tokens not consecutive, its runs restarting inside a block): ids in both orders equal
+    the reference's."""
     from compile_ops.indexer.gluon import GLUON_TOKENS
     from compile_ops.indexer.triton import SCORES_TOKENS, scores_tokens
 
@@ -200,7 +202,9 @@ def test_gpu_prefill_token_blocks_on_both_scores_kernels(backend, index_format, 
     table = torch.randperm(cache.shape[0], device="cuda")[: 3 * B].view(3, B).to(i32)
     three = (q, weights, cache, table, rows, n)
     cand = torch.randint(-1, 8192 // 64, (1024, 48), device="cuda", dtype=i32)
-    for args, kw in ((one, {}), (three, {}), (three, dict(candidates=cand, candidate_block=64))):
+    shuffle = torch.randperm(1024, device="cuda")
+    shuffled = (q[shuffle], weights[shuffle], cache, table, rows[shuffle], n[shuffle])
+    for args, kw in ((one, {}), (three, {}), (three, dict(candidates=cand, candidate_block=64)), (shuffled, {})):
         for order in ("score", "id"):
             got, want = both(args, 512, index_format, backend, order=order, **kw)
             assert torch.equal(got, want), (order, kw.keys())
