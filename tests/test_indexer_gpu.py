@@ -204,7 +204,8 @@ def test_gpu_prefill_token_blocks_on_both_scores_kernels(backend, index_format, 
     cand = torch.randint(-1, 8192 // 64, (1024, 48), device="cuda", dtype=i32)
     shuffle = torch.randperm(1024, device="cuda")
     shuffled = (q[shuffle], weights[shuffle], cache, table, rows[shuffle], n[shuffle])
-    for args, kw in ((one, {}), (three, {}), (three, dict(candidates=cand, candidate_block=64)), (shuffled, {})):
+    for args, kw in ((one, {}), (three, {}), (three, dict(candidates=cand, candidate_block=64)), (shuffled, {}),
+                     (shuffled, dict(candidates=cand[shuffle], candidate_block=64))):
         for order in ("score", "id"):
             got, want = both(args, 512, index_format, backend, order=order, **kw)
             assert torch.equal(got, want), (order, kw.keys())
