@@ -67,7 +67,9 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from compile_ops._triton_quant import (_E2M1X8_TO_E4M3, e2m1_rows, e2m1_value, power_of_two, to_e4m3,
                                       ue8m0_exponent)
@@ -75,7 +77,7 @@ from compile_ops.indexer.inputs import IndexerArgs, triton_args_unsupported
 from compile_ops.indexer.triton import (BN, TOPK_GROUP, GroupMaxima, _level_entries, _local_count, _store_group_counts,
                                         indexer_candidates_triton, indexer_topk_and_candidates_triton,
                                         indexer_topk_triton, scores_tokens)
-from compile_ops.mla.gluon import _async_load, _cta_barrier, _wait_prior_grid
+from compile_ops.mla.gluon import _async_load, _cta_barrier, _reinterpret, _wait_prior_grid
 from compile_ops.mla.plan import num_sms
 
 # programs per SM (4 warps each): one launch fills every SM once and each program streams
@@ -96,6 +98,15 @@ GLUON_TOKENS = 4
 # registers a thread of a several-token fp8 program may hold: three programs an SM (the
 # compiler's own choice, about 200, leaves room for two), without spills (tests/test_gluon_build.py)
 PREFILL_FP8_REGISTERS = 168
+# the warp-specialized prefill kernel (_prefill_scores_kernel): a ring of key blocks filled by
+# TMA, a ring of the products' scores for the stores
+PREFILL_KEY_STAGES = gl.constexpr(4)
+PREFILL_SCORE_STAGES = gl.constexpr(2)
+# its registers a thread: the launch's (two programs an SM: 2 x 3 warpgroups x 128 x 80 <= 64K),
+# of which the loader's and the stores' warpgroups give theirs up to the products' (setmaxnreg)
+PREFILL_REGISTERS = 80
+PREFILL_LOADER_REGISTERS = gl.constexpr(40)
+PREFILL_STORE_REGISTERS = gl.constexpr(80)
 
 
 @gluon.jit
@@ -442,6 +453,239 @@ def _scores_kernel(
                 _cta_barrier()  # every thread's reads of the ring done before the next run refills it
 
 
+
+@gluon.jit
+def _run_at(g, o_j, row_j, n_j, m_j, i_s, BN: gl.constexpr):
+    """Whether token ``g`` of the program starts a request run whose keys program column
+    ``i_s`` reads, and the run: ``(starts, row, run_j, n_t, nb_t)`` (its request row, which of
+    the program's tokens ``o_j`` are in it, its largest count and key blocks)."""
+    row = gl.sum(gl.where(o_j == g, row_j, 0), 0)
+    before = gl.sum(gl.where(o_j == g - 1, row_j + 1, 0), 0) - 1  # the row of token g - 1 (-1: none)
+    run_j = (row_j == row) & (o_j >= g) & m_j
+    n_t = gl.max(gl.where(run_j, n_j, 0), 0)
+    nb_t = gl.cdiv(n_t, BN)
+    return (row != before) & (i_s < nb_t), row, run_j, n_t, nb_t
+
+
+@gluon.jit
+def _prefill_loader(keys, scales, kbuf, ebuf, ready, empty, t2r, n_entries, table, i_b, i_s, S, T, R, L, rank, world,
+                    interleave, s_bt, s_page, num_slots, page_size, TB: gl.constexpr, BN: gl.constexpr,
+                    PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr):
+    """The loader warpgroup: each run's key blocks ``i_s, i_s + S, ...`` into the ring, a block
+    as ``BN // ROWS`` pairs of TMA copies (``ROWS``: the page's entries, at most ``BN``; the rows'
+    key bytes, then their scales), each signalling ``ready`` once (with its bytes, or at once
+    where its page is a hole or past the run's count: the block's rows then hold stale bytes,
+    which :func:`_prefill_stores` masks)."""
+    _wait_prior_grid()
+    JL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # (one warp)
+    ROWS: gl.constexpr = BN if PAGE_SHIFT >= 6 else (1 << PAGE_SHIFT)
+    o_j = gl.arange(0, TB, JL)
+    t_j = i_b * TB + o_j
+    m_j = t_j < T
+    row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
+    used = 0
+    for g in range(TB):
+        starts, row, run_j, n_t, nb_t = _run_at(g, o_j, row_j, n_j, m_j, i_s, BN)
+        if starts:
+            steps = gl.cdiv(nb_t - i_s, S)
+            for i in range(steps):
+                k = used + i
+                st = k % STAGES
+                mbarrier.wait(empty.index(st), ((k // STAGES) & 1) ^ 1)  # (a new barrier: passes)
+                bar = ready.index(st)
+                for h in gl.static_range(BN // ROWS):
+                    first = (i_s + i * S) * BN + h * ROWS
+                    page = gl.load(table + row * s_bt + (first >> PAGE_SHIFT), mask=first < n_t, other=-1)
+                    go = (first < n_t) & (page >= 0) & (page.to(gl.int64) * page_size < num_slots)
+                    off = first & (page_size - 1)
+                    mbarrier.expect(bar, ROWS * 132, pred=go)
+                    tma.async_copy_global_to_shared(keys, [page * (s_page // 128) + off, 0], bar,
+                                                    kbuf.index(st).slice(h * ROWS, ROWS, dim=0), pred=go)
+                    tma.async_copy_global_to_shared(
+                        scales, [page * (s_page // (4 * ROWS)) + (page_size * 128 + 4 * off) // (4 * ROWS), 0], bar,
+                        ebuf.index(st).slice(h * ROWS, ROWS, dim=1), pred=go)
+                    mbarrier.arrive(bar, pred=~go)
+            used += steps
+
+
+@gluon.jit
+def _prefill_products(q, w, q_smem, w_smem, kbuf, scale_rows, epi, ready, empty, full, free, t2r, n_entries, i_b, i_s, S,
+                      T, R, L, rank, world, interleave, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, TB: gl.constexpr,
+                      BN: gl.constexpr, STAGES: gl.constexpr, EPI: gl.constexpr):
+    """The products' warpgroup (the default partition): the program's ``TB`` tokens' queries
+    quantized into shared memory (:func:`_fp8_query`), then for each key block two
+    ``[BN, 2 HI]`` products (a pair of tokens each; the second in flight while the first's
+    scores are summed), each token's ``scale * sum_h w[h] relu(.)`` into the epilogue ring's
+    ``[TB, BN]`` slot for :func:`_prefill_stores`."""
+    _wait_prior_grid()
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * HI, 32])
+    ROW: gl.constexpr = gl.SliceLayout(1, ACC)
+    COL: gl.constexpr = gl.SliceLayout(0, ACC)
+    for u in gl.static_range(TB):  # token u: rows (u % 2) HI .. of pair u // 2
+        t = i_b * TB + u
+        w_smem.index(u // 2).slice((u % 2) * HI, HI).store(
+            _fp8_query(q_smem.index(u // 2).slice((u % 2) * HI, HI), q, w, t, s_qt, s_qh, s_wt,
+                       gl.where(t < T, Hi, 0), HI))
+    fence_async_shared()
+    _cta_barrier()
+    w_a = w_smem.index(0).load(COL)
+    w_b = w_smem.index(1).load(COL)
+    first = (gl.arange(0, 2 * HI, COL) < HI)[None, :]  # a pair's columns: its first token's heads
+    acc_a = gl.zeros([BN, 2 * HI], gl.float32, ACC)
+    acc_b = gl.zeros([BN, 2 * HI], gl.float32, ACC)
+    JL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    o_j = gl.arange(0, TB, JL)
+    t_j = i_b * TB + o_j
+    m_j = t_j < T
+    row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
+    used = 0
+    for g in range(TB):
+        starts, row, run_j, n_t, nb_t = _run_at(g, o_j, row_j, n_j, m_j, i_s, BN)
+        if starts:
+            steps = gl.cdiv(nb_t - i_s, S)
+            for i in range(steps):
+                k = used + i
+                st = k % STAGES
+                mbarrier.wait(ready.index(st), (k // STAGES) & 1)
+                key = kbuf.index(st)
+                # (use_acc=False: the accumulators' registers, not their values)
+                acc_a = warpgroup_mma(key, q_smem.index(0).permute((1, 0)), acc_a, use_acc=False, is_async=True)
+                acc_b = warpgroup_mma(key, q_smem.index(1).permute((1, 0)), acc_b, use_acc=False, is_async=True)
+                scale = scale_rows.index(st).load(ROW).to(gl.float32, bitcast=True)  # the keys' fp32 scales
+                acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, ))
+                x = gl.maximum(acc_a, 0.0) * w_a[None, :]
+                s0 = gl.sum(gl.where(first, x, 0.0), 1) * scale
+                s1 = gl.sum(gl.where(first, 0.0, x), 1) * scale
+                acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
+                _cta_barrier()  # every warp's products of the block done: its slot is free
+                mbarrier.arrive(empty.index(st), count=1)
+                x = gl.maximum(acc_b, 0.0) * w_b[None, :]
+                s2 = gl.sum(gl.where(first, x, 0.0), 1) * scale
+                s3 = gl.sum(gl.where(first, 0.0, x), 1) * scale
+                e = k % EPI
+                mbarrier.wait(free.index(e), ((k // EPI) & 1) ^ 1)  # (a new barrier: passes)
+                # [BN, TB]: tokens 2 a + b at [..., a, b] (one store: no barrier between rows)
+                epi.index(e).store(gl.reshape(gl.permute(gl.join(gl.join(s0, s1), gl.join(s2, s3)), (0, 2, 1)),
+                                              [BN, TB]))
+                _cta_barrier()
+                mbarrier.arrive(full.index(e), count=1)
+            used += steps
+
+
+@gluon.jit
+def _prefill_stores(epi, full, free, t2r, n_entries, table, allowed, scores, n_out, tickets, gmax, g_counts, i_b, i_s,
+                    S, T, R, L, rank, world, interleave, s_bt, s_st, s_at, s_gt, num_slots, page_size, block, nb, K,
+                    TB: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr, RESTRICT: gl.constexpr,
+                    GROUPS: gl.constexpr, G: gl.constexpr, EPI: gl.constexpr):
+    """The stores' warpgroup: ``n_out`` and ``tickets`` (and the group counts) of the program's
+    tokens (program column 0), then each block's ``[BN, TB]`` scores from the epilogue ring:
+    ``-inf`` at holes and outside a token's candidate blocks (``RESTRICT``), stored up to each
+    token's own count, with the top-k's group maxima (``GROUPS``)."""
+    _wait_prior_grid()
+    EL: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])  # a row's two tokens a thread
+    CL: gl.constexpr = gl.SliceLayout(1, EL)
+    TL: gl.constexpr = gl.SliceLayout(0, EL)
+    o_u = gl.arange(0, TB, TL)
+    t_u = i_b * TB + o_u
+    m_u = t_u < T
+    row_u, n_u = _local_count(t2r, n_entries, t_u, R, L, rank, world, interleave, m_u)
+    if i_s == 0:
+        gl.store(n_out + t_u, n_u, mask=m_u)
+        gl.store(tickets + t_u, gl.zeros_like(n_u), mask=m_u)
+        if GROUPS:
+            _store_group_counts(g_counts, t_u, T, n_u, K, G, m_u)
+    GL: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1, 2], [2, 16, 1], [2, 1, 2], [1, 0, 2]))
+    JL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # the runs, as the other partitions find them
+    o_j = gl.arange(0, TB, JL)
+    row_j, n_j = _local_count(t2r, n_entries, i_b * TB + o_j, R, L, rank, world, interleave, i_b * TB + o_j < T)
+    used = 0
+    for g in range(TB):
+        starts, row, run_j, n_t, nb_t = _run_at(g, o_j, row_j, n_j, i_b * TB + o_j < T, i_s, BN)
+        if starts:
+            run_u = gl.convert_layout(run_j, TL)
+            steps = gl.cdiv(nb_t - i_s, S)
+            if GROUPS:  # the run's tokens' group counts, in the group maxima's layout
+                t_g = gl.convert_layout(t_u, gl.SliceLayout(0, GL))
+                n_g = gl.convert_layout(gl.where(run_u, gl.cdiv(n_u, G), 0), gl.SliceLayout(0, GL))
+            for i in range(steps):
+                k = used + i
+                e = k % EPI
+                c = (i_s + i * S) * BN + gl.arange(0, BN, CL)
+                # each row's page (a hole, or past the cache: no entry), loaded before the wait
+                page = gl.load(table + row * s_bt + (c >> PAGE_SHIFT), mask=c < n_t, other=-1)
+                ok = ((c < n_t) & (page >= 0) & (page.to(gl.int64) * page_size + (c & (page_size - 1)) < num_slots))
+                ok = ok[:, None] & run_u[None, :]
+                if RESTRICT:  # inside the token's candidate blocks (global ids)
+                    g_blk = (((c // interleave) * world + rank) * interleave + c % interleave) // block
+                    ok = ok & (gl.load(allowed + t_u[None, :] * s_at + g_blk[:, None],
+                                       mask=ok & (g_blk < nb)[:, None], other=0) != 0)
+                mbarrier.wait(full.index(e), (k // EPI) & 1)
+                v = epi.index(e).load(EL)
+                _cta_barrier()  # every warp has read the slot
+                mbarrier.arrive(free.index(e), count=1)
+                b_s = gl.where(ok, v, float("-inf"))
+                seen = (c[:, None] < n_u[None, :]) & run_u[None, :]
+                gl.store(scores + t_u.to(gl.int64)[None, :] * s_st + c[:, None], b_s, mask=seen)
+                if GROUPS:  # the top-k's first pass, while the scores are in registers
+                    x = gl.where(seen & (b_s > float("-inf")), b_s, float("-inf"))  # NaN is no entry
+                    best = gl.convert_layout(gl.max(gl.reshape(x, [BN // G, G, TB]), 1), GL)
+                    o_g = (i_s + i * S) * (BN // G) + gl.arange(0, BN // G, gl.SliceLayout(1, GL))
+                    gl.store(gmax + t_g.to(gl.int64)[None, :] * s_gt + o_g[:, None], best,
+                             mask=o_g[:, None] < n_g[None, :])
+            used += steps
+
+
+@gluon.jit
+def _prefill_scores_kernel(
+    q, w, t2r, n_entries, keys, scales, table, allowed, scores, n_out, tickets, gmax, g_counts,
+    s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
+    rank, world, interleave, block, nb, K,
+    HI: gl.constexpr, TB: gl.constexpr, RESTRICT: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr,
+    GROUPS: gl.constexpr, G: gl.constexpr,
+):
+    """:func:`_scores_kernel`'s program ``(b, s)`` (the same outputs) for fp8 keys and ``TB`` (4)
+    tokens of at most 32 heads, on pages of at least 32 entries, warp-specialized: a loader
+    warpgroup fills a ring of key blocks by TMA (:func:`_prefill_loader`), the products'
+    warpgroup runs two pairs' products a block and sums their scores
+    (:func:`_prefill_products`), a stores warpgroup masks and stores them with the group
+    maxima (:func:`_prefill_stores`), so that the products' warps issue only the products and
+    their sums."""
+    STAGES: gl.constexpr = PREFILL_KEY_STAGES
+    EPI: gl.constexpr = PREFILL_SCORE_STAGES
+    ROWS: gl.constexpr = BN if PAGE_SHIFT >= 6 else (1 << PAGE_SHIFT)
+    i_b, i_s = gl.program_id(0), gl.program_id(1)
+    rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # unswizzled rows, each indexed as one
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 2 * HI, 128],
+                                       gl.NVMMASharedLayout.get_default_for([2 * HI, 128], gl.float8e4nv))
+    w_smem = gl.allocate_shared_memory(gl.float32, [2, 2 * HI], rows)
+    kbuf = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], keys.layout)
+    ebuf = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BN], scales.layout)
+    # (no swizzle: each slot's BN scales in order, as the copies write them)
+    scale_rows = _reinterpret(ebuf, gl.int32, [STAGES, BN], rows)
+    epi = gl.allocate_shared_memory(gl.float32, [EPI, BN, TB], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [EPI, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [EPI, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=BN // ROWS)  # each of a block's copies signals once
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(EPI):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(free.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_prefill_products, (q, w, q_smem, w_smem, kbuf, scale_rows, epi, ready, empty, full, free, t2r, n_entries,
+                             i_b, i_s, S, T, R, L, rank, world, interleave, s_qt, s_qh, s_wt, Hi, HI, TB, BN, STAGES,
+                             EPI)),
+        (_prefill_stores, (epi, full, free, t2r, n_entries, table, allowed, scores, n_out, tickets, gmax, g_counts,
+                           i_b, i_s, S, T, R, L, rank, world, interleave, s_bt, s_st, s_at, s_gt, num_slots, page_size,
+                           block, nb, K, TB, BN, PAGE_SHIFT, RESTRICT, GROUPS, G, EPI)),
+        (_prefill_loader, (keys, scales, kbuf, ebuf, ready, empty, t2r, n_entries, table, i_b, i_s, S, T, R, L, rank,
+                           world, interleave, s_bt, s_page, num_slots, page_size, TB, BN, PAGE_SHIFT, STAGES)),
+    ], [4, 1], [PREFILL_STORE_REGISTERS, PREFILL_LOADER_REGISTERS])
+
+
 @gluon.jit
 def _add(a, b):
     return a + b
@@ -607,15 +851,47 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
     blocks = triton.cdiv(hi - lo, TB)
     S = key_splits(blocks, TB, triton.cdiv(L, BN), num_sms(q.device))
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
+    HI = max(16, triton.next_power_of_2(q.shape[1]))
+    PAGE_SHIFT = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+    descriptors = prefill_descriptors(cache) if TB == GLUON_TOKENS and HI <= 32 and not args.fmt.fp4 else None
+    if descriptors is not None:
+        _prefill_scores_kernel[(blocks, S)](
+            q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], *descriptors, table, allowed, scores,
+            n, tickets, gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0),
+            scores.stride(0), allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size,
+            q.shape[1], S, rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
+            HI=HI, TB=TB, RESTRICT=args.candidates is not None, BN=BN, PAGE_SHIFT=PAGE_SHIFT,
+            GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4, maxnreg=PREFILL_REGISTERS, launch_pdl=True)
+        return
     _scores_kernel[(blocks, S)](
         q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], cache, table, allowed, scores, n,
         tickets, gmax, g_counts, q.stride(0), q.stride(1), w.stride(0), cache.stride(0), table.stride(0),
         scores.stride(0), allowed.stride(0), gmax.stride(0), hi - lo, R, L, cache.shape[0] * page_size, page_size,
         q.shape[1], S, rank, world, interleave, args.candidate_block, allowed.shape[-1], args.k,
-        HI=max(16, triton.next_power_of_2(q.shape[1])), TB=TB, RESTRICT=args.candidates is not None, BN=BN,
-        PAGE_SHIFT=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1, STAGES=STAGES,
+        HI=HI, TB=TB, RESTRICT=args.candidates is not None, BN=BN, PAGE_SHIFT=PAGE_SHIFT, STAGES=STAGES,
         FP4=args.fmt.fp4, GROUPS=maxima is not None, G=TOPK_GROUP, num_warps=4,
         maxnreg=max_registers(TB, args.fmt.fp4), launch_pdl=True)
+
+
+def prefill_descriptors(cache: torch.Tensor) -> Optional[tuple[TensorDescriptor, TensorDescriptor]]:
+    """TMA descriptors of an fp8 index cache ``[num_pages, page_size, 132]`` for
+    :func:`_prefill_scores_kernel`, or ``None`` where its pages are not a power of two of at
+    least 32 entries (nor contiguous rows): its key bytes as rows of 128 e4m3 in boxes of
+    ``ROWS = min(page_size, BN)`` rows, and its scale bytes as rows of ``ROWS`` int32 (a
+    box's scales), one box each; a page's keys start at key row ``page * s_page / 128``, its
+    scales at scale row ``(page * s_page + page_size * 128) / (4 ROWS)``."""
+    pages, page_size, row_width = cache.shape
+    s_page = cache.stride(0)
+    rows = min(page_size, BN)
+    if not pages or page_size < 32 or page_size & (page_size - 1) or cache.stride(1) != row_width or cache.stride(2) != 1 \
+            or s_page % (4 * rows):
+        return None
+    keys = TensorDescriptor(cache.view(torch.float8_e4m3fn), [(pages - 1) * (s_page // 128) + page_size, 128],
+                            [128, 1], [rows, 128], gl.NVMMASharedLayout.get_default_for([BN, 128], gl.float8e4nv))
+    scales = TensorDescriptor(cache.view(torch.int32), [((pages - 1) * s_page + page_size * row_width) // (4 * rows), rows],
+                              [rows, 1], [1, rows], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                                         rank=2))
+    return keys, scales
 
 
 def key_splits(blocks: int, tokens: int, key_blocks: int, sms: int) -> int:
