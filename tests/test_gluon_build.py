@@ -30,10 +30,13 @@ BUILDS = [f"{kv_format}:{dsplit}" for kv_format in FORMATS for dsplit in (1, 2)]
 # one token a program or a prefill step's blocks of them)
 INDEXER_BUILDS = [f"indexer:{fmt}:{build}:{tokens}" for fmt in ("fp4", "fp8")
                   for build in ("32:0:6:0", "32:1:-1:1", "64:0:5:1", "64:1:6:0", "16:0:6:1") for tokens in (1, 4)]
-# ... and the prefill launches of the V4.1-Flash stack slice (python -m graphs.targets --only
-# prefill): a ratio-2 layer's 32-entry pages, a ratio-1 layer's 64-entry pages, the layer
-# inside the candidate source's blocks; each with the group maxima of rows past 8K entries
-INDEXER_BUILDS += [f"indexer:fp8:{build}:4" for build in ("32:0:5:1", "32:0:6:1", "32:1:6:1")]
+# the warp-specialized prefill scores kernel (fp8 keys, four tokens of 32 heads a program on
+# pages of 32 or more entries), "prefill:restrict:page shift:groups": the launches of the
+# V4.1-Flash stack slice (python -m graphs.targets --only prefill: a ratio-2 layer's 32-entry
+# pages, a ratio-1 layer's 64-entry pages, the layer inside the candidate source's blocks,
+# each with the group maxima of rows past 8K entries), and without candidates, maxima or on
+# larger pages
+PREFILL_BUILDS = [f"prefill:{build}" for build in ("0:5:1", "0:6:1", "1:6:1", "1:5:0", "0:6:0", "0:7:1")]
 
 # the weight-only FP8 GEMM (compile_ops/linear/gluon.py): every tile weight_only_tile gives,
 # "linear:warpgroups:tokens:stages:partial" (K split into fp32 partials or not)
@@ -121,6 +124,36 @@ def build_indexer_sm90(index_format: str, heads: int, restrict: bool, page_shift
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
 
 
+def build_prefill_sm90(restrict: bool, page_shift: int, groups: bool):
+    """:func:`compile_ops.indexer.gluon._prefill_scores_kernel` compiled for sm_90 as
+    :func:`compile_ops.indexer.gluon.launch_scores_gluon` launches it (32 heads, four tokens a
+    program) over an fp8 index cache of ``2 ** page_shift``-entry pages (its TMA descriptors,
+    :func:`compile_ops.indexer.gluon.prefill_descriptors`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from compile_ops.indexer import gluon
+    from compile_ops.indexer.cache import new_index_cache
+    from compile_ops.indexer.triton import BN, TOPK_GROUP
+
+    kernel = gluon._prefill_scores_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    keys, scales = gluon.prefill_descriptors(new_index_cache("fp8", 2, 1 << page_shift))
+    types = dict(q="*bf16", w="*fp32", t2r="*i32", n_entries="*i32", table="*i32", allowed="*i8", scores="*fp32",
+                 n_out="*i32", tickets="*i32", gmax="*fp32", g_counts="*i32", keys=mangle_type(keys),
+                 scales=mangle_type(scales))
+    options = dict(HI=32, TB=gluon.GLUON_TOKENS, RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift, GROUPS=groups,
+                   G=TOPK_GROUP)
+    signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if signature[n].startswith("*") or n in ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at", "s_gt")}
+    source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in options.items()}, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=gluon.PREFILL_REGISTERS))
+
+
 def build_topk_sm90(source: int, seg: int, k_pad: int, last: bool, then_seg: int, warps: int):
     """:func:`compile_ops.indexer.gluon._topk_level_kernel` compiled for sm_90 as
     ``compile_ops.indexer.triton._launch`` launches one level (a selection of groups, source
@@ -203,6 +236,15 @@ def build_report(build):
         return dict(shared=compiled.metadata.shared, spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
                     wgmma=sass.count("HGMMA"), pair_loads=sass.count("LDS.U16"), stores=len(re.findall(r"(?<![A-Z])STS", sass)),
                     copies=sass.count("LDGSTS.E.BYPASS.128"), scale_products=sass.count("HMUL2.BF16"))
+    if build.startswith("prefill:"):
+        _, restrict, page_shift, groups = build.split(":")
+        compiled = build_prefill_sm90(restrict == "1", int(page_shift), groups == "1")
+        sass = full_sass(compiled.asm["cubin"])
+        return dict(shared=compiled.metadata.shared, spills=len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass)),
+                    wgmma=sass.count("QGMMA"), shapes=sorted(set(re.findall(r"QGMMA\.(\w+)", sass))),
+                    bulk=sass.count("UTMALDG"), copies=sass.count("LDGSTS"), setmaxnreg=sass.count("USETMAXREG"),
+                    waits=waits_before_memory(compiled.asm["ptx"]),
+                    overlapped=bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", compiled.asm["ptx"])))
     if build.startswith("indexer:"):
         _, index_format, heads, restrict, page_shift, groups, tokens = build.split(":")
         compiled = build_indexer_sm90(index_format, int(heads), restrict == "1", int(page_shift), groups == "1",
@@ -237,7 +279,8 @@ def reports():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, __file__, *BUILDS, *INDEXER_BUILDS, *TOPK_BUILDS, *LINEAR_BUILDS], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, __file__, *BUILDS, *INDEXER_BUILDS, *PREFILL_BUILDS, *TOPK_BUILDS, *LINEAR_BUILDS],
+                         env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])
 
@@ -284,6 +327,23 @@ def test_topk_levels_build_for_sm90_with_one_barrier_a_search_step(build, report
     assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
     assert report["redux"] >= 2 and 2 in report["loops"], report  # the counts within a warp: REDUX
     assert all(count <= 2 for count in report["loops"]), report
+    assert report["waits"], "a programmatic dependent launch reads memory before griddepcontrol.wait"
+
+
+@pytest.mark.parametrize("build", PREFILL_BUILDS)
+def test_prefill_scores_build_for_sm90_without_spills(build, reports):
+    """The warp-specialized prefill scores kernel: no spills in any partition under the
+    launch's register split (three warpgroups, each of its partitions setting its own
+    registers), its keys copied by TMA (no ``cp.async``), two 64-column products a key block
+    (a pair of 32-head tokens each), the second in flight while the first's scores are
+    summed; launched as a programmatic dependent, no partition touches global memory before
+    it has waited for the kernel before it."""
+    report = reports[build]
+    assert report["shared"] <= SM90_SHARED_BYTES, f"{report['shared']} bytes of shared memory"
+    assert report["spills"] == 0, f"{report['spills']} local-memory (spill) instructions"
+    assert report["shapes"] == ["64x64x32"] and report["wgmma"] >= 8, report
+    assert report["bulk"] >= 2 and report["copies"] == 0, report
+    assert report["setmaxnreg"] >= 3 and report["overlapped"], report
     assert report["waits"], "a programmatic dependent launch reads memory before griddepcontrol.wait"
 
 

@@ -298,6 +298,19 @@ def _token_scores(b_s, bits, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, gma
 
 
 @gluon.jit
+def _run_at(g, o_j, row_j, n_j, m_j, i_s, BN: gl.constexpr):
+    """Whether token ``g`` of the program starts a request run whose keys program column
+    ``i_s`` reads, and the run: ``(starts, row, run_j, n_t, nb_t)`` (its request row, which of
+    the program's tokens ``o_j`` are in it, its largest count and key blocks)."""
+    row = gl.sum(gl.where(o_j == g, row_j, 0), 0)
+    before = gl.sum(gl.where(o_j == g - 1, row_j + 1, 0), 0) - 1  # the row of token g - 1 (-1: none)
+    run_j = (row_j == row) & (o_j >= g) & m_j
+    n_t = gl.max(gl.where(run_j, n_j, 0), 0)
+    nb_t = gl.cdiv(n_t, BN)
+    return (row != before) & (i_s < nb_t), row, run_j, n_t, nb_t
+
+
+@gluon.jit
 def _scores_kernel(
     q, w, t2r, n_entries, cache, table, allowed, scores, n_out, tickets, gmax, g_counts,
     s_qt, s_qh, s_wt, s_page, s_bt, s_st, s_at, s_gt, T, R, L, num_slots, page_size, Hi, S,
@@ -375,12 +388,8 @@ def _scores_kernel(
         vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         # a request's tokens are contiguous in a step: the block holds runs of a few rows
         for g in range(TB):
-            row = gl.sum(gl.where(o_j == g, row_j, 0), 0)
-            before = gl.sum(gl.where(o_j == g - 1, row_j + 1, 0), 0) - 1  # the row of token g - 1 (-1: none)
-            run_j = (row_j == row) & (o_j >= g) & m_j
-            n_t = gl.max(gl.where(run_j, n_j, 0), 0)
-            nb_t = gl.cdiv(n_t, BN)
-            if (row != before) & (i_s < nb_t):  # a run starts at token g
+            starts, row, run_j, n_t, nb_t = _run_at(g, o_j, row_j, n_j, m_j, i_s, BN)
+            if starts:  # a run starts at token g
                 lo = i_b * TB + g  # the run: tokens lo:hi
                 hi = lo + gl.sum(run_j.to(gl.int32), 0)
                 # blocks i_s, i_s + S, ... in a ring of STAGES slots: STAGES - 1 copies in flight
@@ -452,19 +461,6 @@ def _scores_kernel(
                 async_copy.wait_group(0)  # the masked copies past the last block: nothing left in flight
                 _cta_barrier()  # every thread's reads of the ring done before the next run refills it
 
-
-
-@gluon.jit
-def _run_at(g, o_j, row_j, n_j, m_j, i_s, BN: gl.constexpr):
-    """Whether token ``g`` of the program starts a request run whose keys program column
-    ``i_s`` reads, and the run: ``(starts, row, run_j, n_t, nb_t)`` (its request row, which of
-    the program's tokens ``o_j`` are in it, its largest count and key blocks)."""
-    row = gl.sum(gl.where(o_j == g, row_j, 0), 0)
-    before = gl.sum(gl.where(o_j == g - 1, row_j + 1, 0), 0) - 1  # the row of token g - 1 (-1: none)
-    run_j = (row_j == row) & (o_j >= g) & m_j
-    n_t = gl.max(gl.where(run_j, n_j, 0), 0)
-    nb_t = gl.cdiv(n_t, BN)
-    return (row != before) & (i_s < nb_t), row, run_j, n_t, nb_t
 
 
 @gluon.jit
