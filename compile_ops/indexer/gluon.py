@@ -467,11 +467,11 @@ def _scores_kernel(
 def _prefill_loader(keys, scales, kbuf, ebuf, ready, empty, t2r, n_entries, table, i_b, i_s, S, T, R, L, rank, world,
                     interleave, s_bt, s_page, num_slots, page_size, TB: gl.constexpr, BN: gl.constexpr,
                     PAGE_SHIFT: gl.constexpr, STAGES: gl.constexpr):
-    """The loader warpgroup: each run's key blocks ``i_s, i_s + S, ...`` into the ring, a block
-    as ``BN // ROWS`` pairs of TMA copies (``ROWS``: the page's entries, at most ``BN``; the rows'
-    key bytes, then their scales), each signalling ``ready`` once (with its bytes, or at once
-    where its page is a hole or past the run's count: the block's rows then hold stale bytes,
-    which :func:`_prefill_stores` masks)."""
+    """The loader warp: each run's key blocks ``i_s, i_s + S, ...`` into the ring, a block as one
+    TMA copy of its keys and one of their scales per page it spans (pages of 32 or of at least
+    ``BN`` entries), each pair signalling ``ready`` once: with its bytes, or at once where its
+    page is a hole or past the run's count (the rows then hold stale bytes, which
+    :func:`_prefill_stores` masks). A block's pages are loaded before the wait for its slot."""
     _wait_prior_grid()
     JL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # (one warp)
     ROWS: gl.constexpr = BN if PAGE_SHIFT >= 6 else (1 << PAGE_SHIFT)
@@ -487,21 +487,35 @@ def _prefill_loader(keys, scales, kbuf, ebuf, ready, empty, t2r, n_entries, tabl
             for i in range(steps):
                 k = used + i
                 st = k % STAGES
+                first = (i_s + i * S) * BN
+                page = gl.load(table + row * s_bt + (first >> PAGE_SHIFT), mask=first < n_t, other=-1)
+                if ROWS < BN:  # the block's second page
+                    second = gl.load(table + row * s_bt + ((first + ROWS) >> PAGE_SHIFT), mask=first + ROWS < n_t,
+                                     other=-1)
                 mbarrier.wait(empty.index(st), ((k // STAGES) & 1) ^ 1)  # (a new barrier: passes)
-                bar = ready.index(st)
-                for h in gl.static_range(BN // ROWS):
-                    first = (i_s + i * S) * BN + h * ROWS
-                    page = gl.load(table + row * s_bt + (first >> PAGE_SHIFT), mask=first < n_t, other=-1)
-                    go = (first < n_t) & (page >= 0) & (page.to(gl.int64) * page_size < num_slots)
-                    off = first & (page_size - 1)
-                    mbarrier.expect(bar, ROWS * 132, pred=go)
-                    tma.async_copy_global_to_shared(keys, [page * (s_page // 128) + off, 0], bar,
-                                                    kbuf.index(st).slice(h * ROWS, ROWS, dim=0), pred=go)
-                    tma.async_copy_global_to_shared(
-                        scales, [page * (s_page // (4 * ROWS)) + (page_size * 128 + 4 * off) // (4 * ROWS), 0], bar,
-                        ebuf.index(st).slice(h * ROWS, ROWS, dim=1), pred=go)
-                    mbarrier.arrive(bar, pred=~go)
+                _load_rows(keys, scales, kbuf, ebuf, ready, st, page, first, 0, n_t, s_page, num_slots, page_size,
+                           ROWS)
+                if ROWS < BN:
+                    _load_rows(keys, scales, kbuf, ebuf, ready, st, second, first + ROWS, ROWS, n_t, s_page,
+                               num_slots, page_size, ROWS)
             used += steps
+
+
+@gluon.jit
+def _load_rows(keys, scales, kbuf, ebuf, ready, st, page, first, at, n_t, s_page, num_slots, page_size,
+               ROWS: gl.constexpr):
+    """Entries ``first .. first + ROWS - 1`` (on ``page``) into rows ``at ..`` of ring slot
+    ``st``: their key bytes and their scales, two TMA copies signalling ``ready[st]`` with
+    their bytes, or (a hole, past the count or the cache) a plain arrival."""
+    go = (first < n_t) & (page >= 0) & (page.to(gl.int64) * page_size < num_slots)
+    off = first & (page_size - 1)
+    bar = ready.index(st)
+    mbarrier.expect(bar, ROWS * 132, pred=go)
+    tma.async_copy_global_to_shared(keys, [page * (s_page // 128) + off, 0], bar, kbuf.index(st).slice(at, ROWS, dim=0),
+                                    pred=go)
+    tma.async_copy_global_to_shared(scales, [page * (s_page // (4 * ROWS)) + (page_size * 128 + 4 * off) // (4 * ROWS), 0],
+                                    bar, ebuf.index(st).slice(at, ROWS, dim=1), pred=go)
+    mbarrier.arrive(bar, pred=~go)
 
 
 @gluon.jit
