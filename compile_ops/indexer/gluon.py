@@ -863,7 +863,7 @@ def launch_scores_gluon(args: IndexerArgs, lo: int, hi: int, scores: torch.Tenso
     gmax, g_counts = (scores, n) if maxima is None else maxima  # (unread without the maxima)
     HI = max(16, triton.next_power_of_2(q.shape[1]))
     PAGE_SHIFT = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
-    descriptors = prefill_descriptors(cache) if TB == GLUON_TOKENS and HI <= 32 and not args.fmt.fp4 else None
+    descriptors = prefill_descriptors(cache) if TB == GLUON_TOKENS and HI == 32 and not args.fmt.fp4 else None
     if descriptors is not None:
         _prefill_scores_kernel[(blocks, S)](
             q[lo:hi], w[lo:hi], args.token_to_req[lo:hi], args.n_entries[lo:hi], *descriptors, table, allowed, scores,
