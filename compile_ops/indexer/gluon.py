@@ -563,23 +563,29 @@ def _prefill_products(q, w, q_smem, w_smem, kbuf, scale_rows, epi, ready, empty,
                 acc_b = warpgroup_mma(key, q_smem.index(1).permute((1, 0)), acc_b, use_acc=False, is_async=True)
                 scale = scale_rows.index(st).load(ROW).to(gl.float32, bitcast=True)  # the keys' fp32 scales
                 acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, ))
-                x = gl.maximum(acc_a, 0.0) * w_a[None, :]
-                s0 = gl.sum(gl.where(first, x, 0.0), 1) * scale
-                s1 = gl.sum(gl.where(first, 0.0, x), 1) * scale
+                part_a = _lane_sums(gl.maximum(acc_a, 0.0) * w_a[None, :], scale, HI)
                 acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
                 _cta_barrier()  # every warp's products of the block done: its slot is free
                 mbarrier.arrive(empty.index(st), count=1)
-                x = gl.maximum(acc_b, 0.0) * w_b[None, :]
-                s2 = gl.sum(gl.where(first, x, 0.0), 1) * scale
-                s3 = gl.sum(gl.where(first, 0.0, x), 1) * scale
+                part_b = _lane_sums(gl.maximum(acc_b, 0.0) * w_b[None, :], scale, HI)
                 e = k % EPI
                 mbarrier.wait(free.index(e), ((k // EPI) & 1) ^ 1)  # (a new barrier: passes)
-                # [BN, TB]: tokens 2 a + b at [..., a, b] (one store: no barrier between rows)
-                epi.index(e).store(gl.reshape(gl.permute(gl.join(gl.join(s0, s1), gl.join(s2, s3)), (0, 2, 1)),
-                                              [BN, TB]))
+                # [BN, TB, 4]: token 2 a + b at [:, a, b] (one store: no barrier between rows)
+                parts = gl.reshape(gl.permute(gl.join(part_a, part_b), (0, 3, 1, 2)), [BN, TB, 4])
+                epi.index(e).store(parts)
                 _cta_barrier()
                 mbarrier.arrive(full.index(e), count=1)
             used += steps
+
+
+@gluon.jit
+def _lane_sums(x, scale, HI: gl.constexpr):
+    """A pair's ``[BN, 2 HI]`` weighted ReLUs -> ``[BN, 2, 4]``: each token's sum over the heads
+    one lane of a quad holds (column ``8 i + 2 q + j`` in lane ``q``), summed in registers,
+    times the rows' key scales ``scale [BN]``."""
+    x = gl.sum(gl.sum(gl.reshape(x, [x.shape[0], 2, HI // 8, 4, 2]), 2), 3)
+    rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, x.type.layout))
+    return x * gl.convert_layout(scale, rows)[:, None, None]
 
 
 @gluon.jit
@@ -592,7 +598,9 @@ def _prefill_stores(epi, full, free, t2r, n_entries, table, allowed, scores, n_o
     ``-inf`` at holes and outside a token's candidate blocks (``RESTRICT``), stored up to each
     token's own count, with the top-k's group maxima (``GROUPS``)."""
     _wait_prior_grid()
-    EL: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])  # a row's two tokens a thread
+    # a row's two tokens a thread, their four partial sums each
+    PL: gl.constexpr = gl.BlockedLayout([1, 2, 4], [32, 1, 1], [2, 2, 1], [2, 0, 1])
+    EL: gl.constexpr = gl.SliceLayout(2, PL)
     CL: gl.constexpr = gl.SliceLayout(1, EL)
     TL: gl.constexpr = gl.SliceLayout(0, EL)
     o_u = gl.arange(0, TB, TL)
@@ -630,7 +638,7 @@ def _prefill_stores(epi, full, free, t2r, n_entries, table, allowed, scores, n_o
                     ok = ok & (gl.load(allowed + t_u[None, :] * s_at + g_blk[:, None],
                                        mask=ok & (g_blk < nb)[:, None], other=0) != 0)
                 mbarrier.wait(full.index(e), (k // EPI) & 1)
-                v = epi.index(e).load(EL)
+                v = gl.sum(epi.index(e).load(PL), 2)  # a quad's four partial sums
                 _cta_barrier()  # every warp has read the slot
                 mbarrier.arrive(free.index(e), count=1)
                 b_s = gl.where(ok, v, float("-inf"))
@@ -672,7 +680,7 @@ def _prefill_scores_kernel(
     ebuf = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BN], scales.layout)
     # (no swizzle: each slot's BN scales in order, as the copies write them)
     scale_rows = _reinterpret(ebuf, gl.int32, [STAGES, BN], rows)
-    epi = gl.allocate_shared_memory(gl.float32, [EPI, BN, TB], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    epi = gl.allocate_shared_memory(gl.float32, [EPI, BN, TB, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [EPI, 1], mbarrier.MBarrierLayout())
