@@ -49,9 +49,21 @@ scores (``-inf`` at holes, outside the token's candidate blocks and nowhere past
 for rows long enough that their top-k starts from groups of 16 entries, the groups' best
 scores too (a warp's 16 rows of the product are one group: a reduction within the warp).
 
-Both kernels are programmatic dependent launches (``launch_pdl``): a launch may start
-while the stream's previous kernel ends, and each program waits for that kernel
-(``griddepcontrol.wait``) before its first global access. Neither lets its own dependents
+A prefill launch of four tokens a program over fp8 keys, 17 to 32 heads (V4.1's 32) and pages
+of a power of two of at least 32 entries (:func:`prefill_descriptors`) runs
+:func:`_prefill_scores_kernel` instead: the same programs and outputs, its warps split by
+task (``warp_specialize``), as DeepGEMM's MQA-logits kernels split theirs. A loader warp copies
+each key block by TMA (its keys and their scales, one copy each per page it spans) into a
+ring; the products' warpgroup runs the two pairs' products of each block and sums each
+token's heads as far as a lane holds them; a stores warpgroup adds a row's four lanes' sums,
+masks (holes, candidate blocks, counts), stores the scores and takes the group maxima. So
+the warps that issue the products issue little else, and no warp computes a copy's address
+per row.
+
+The kernels (both scores kernels and the top-k levels) are programmatic dependent launches
+(``launch_pdl``): a launch may start while the stream's previous kernel ends, and each
+program (each partition of one) waits for that kernel (``griddepcontrol.wait``) before its
+first global access. None lets its own dependents
 start early (``griddepcontrol.launch_dependents``): the next launch's programs would then
 hold SM room while this one's still run, which measured slower (``docs/performance-indexer-history.md``).
 """
@@ -662,7 +674,7 @@ def _prefill_scores_kernel(
     GROUPS: gl.constexpr, G: gl.constexpr,
 ):
     """:func:`_scores_kernel`'s program ``(b, s)`` (the same outputs) for fp8 keys and ``TB`` (4)
-    tokens of at most 32 heads, on pages of at least 32 entries, warp-specialized: a loader
+    tokens of 17 to 32 heads (``HI`` 32), on pages of 32 or more entries, warp-specialized: a loader
     warpgroup fills a ring of key blocks by TMA (:func:`_prefill_loader`), the products'
     warpgroup runs two pairs' products a block and sums their scores
     (:func:`_prefill_products`), a stores warpgroup masks and stores them with the group
