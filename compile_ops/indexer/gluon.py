@@ -675,7 +675,7 @@ def _prefill_scores_kernel(
 ):
     """:func:`_scores_kernel`'s program ``(b, s)`` (the same outputs) for fp8 keys and ``TB`` (4)
     tokens of 17 to 32 heads (``HI`` 32), on pages of 32 or more entries, warp-specialized: a loader
-    warpgroup fills a ring of key blocks by TMA (:func:`_prefill_loader`), the products'
+    warp fills a ring of key blocks by TMA (:func:`_prefill_loader`), the products'
     warpgroup runs two pairs' products a block and sums their scores
     (:func:`_prefill_products`), a stores warpgroup masks and stores them with the group
     maxima (:func:`_prefill_stores`), so that the products' warps issue only the products and
