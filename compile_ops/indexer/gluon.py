@@ -310,6 +310,17 @@ def _token_scores(b_s, bits, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, gma
 
 
 @gluon.jit
+def _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB: gl.constexpr, JL: gl.constexpr):
+    """Program block ``i_b``'s ``TB`` tokens in layout ``JL``: ``(o_j, m_j, row_j, n_j)``, their
+    index in the block, which exist, their request rows and their local counts."""
+    o_j = gl.arange(0, TB, JL)
+    t_j = i_b * TB + o_j
+    m_j = t_j < T
+    row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
+    return o_j, m_j, row_j, n_j
+
+
+@gluon.jit
 def _run_at(g, o_j, row_j, n_j, m_j, i_s, BN: gl.constexpr):
     """Whether token ``g`` of the program starts a request run whose keys program column
     ``i_s`` reads, and the run: ``(starts, row, run_j, n_t, nb_t)`` (its request row, which of
@@ -485,12 +496,9 @@ def _prefill_loader(keys, scales, kbuf, ebuf, ready, empty, t2r, n_entries, tabl
     page is a hole or past the run's count (the rows then hold stale bytes, which
     :func:`_prefill_stores` masks). A block's pages are loaded before the wait for its slot."""
     _wait_prior_grid()
-    JL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # (one warp)
     ROWS: gl.constexpr = BN if PAGE_SHIFT >= 6 else (1 << PAGE_SHIFT)
-    o_j = gl.arange(0, TB, JL)
-    t_j = i_b * TB + o_j
-    m_j = t_j < T
-    row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
+    o_j, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB,
+                                           gl.BlockedLayout([1], [32], [1], [0]))  # (one warp)
     used = 0
     for g in range(TB):
         starts, row, run_j, n_t, nb_t = _run_at(g, o_j, row_j, n_j, m_j, i_s, BN)
@@ -555,11 +563,8 @@ def _prefill_products(q, w, q_smem, w_smem, kbuf, scale_rows, epi, ready, empty,
     first = (gl.arange(0, 2 * HI, COL) < HI)[None, :]  # a pair's columns: its first token's heads
     acc_a = gl.zeros([BN, 2 * HI], gl.float32, ACC)
     acc_b = gl.zeros([BN, 2 * HI], gl.float32, ACC)
-    JL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    o_j = gl.arange(0, TB, JL)
-    t_j = i_b * TB + o_j
-    m_j = t_j < T
-    row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
+    o_j, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB,
+                                           gl.BlockedLayout([1], [32], [4], [0]))
     used = 0
     for g in range(TB):
         starts, row, run_j, n_t, nb_t = _run_at(g, o_j, row_j, n_j, m_j, i_s, BN)
@@ -625,12 +630,12 @@ def _prefill_stores(epi, full, free, t2r, n_entries, table, allowed, scores, n_o
         if GROUPS:
             _store_group_counts(g_counts, t_u, T, n_u, K, G, m_u)
     GL: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1, 2], [2, 16, 1], [2, 1, 2], [1, 0, 2]))
-    JL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # the runs, as the other partitions find them
-    o_j = gl.arange(0, TB, JL)
-    row_j, n_j = _local_count(t2r, n_entries, i_b * TB + o_j, R, L, rank, world, interleave, i_b * TB + o_j < T)
+    # the runs, as the other partitions find them
+    o_j, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB,
+                                           gl.BlockedLayout([1], [32], [4], [0]))
     used = 0
     for g in range(TB):
-        starts, row, run_j, n_t, nb_t = _run_at(g, o_j, row_j, n_j, i_b * TB + o_j < T, i_s, BN)
+        starts, row, run_j, n_t, nb_t = _run_at(g, o_j, row_j, n_j, m_j, i_s, BN)
         if starts:
             run_u = gl.convert_layout(run_j, TL)
             steps = gl.cdiv(nb_t - i_s, S)
