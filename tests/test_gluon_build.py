@@ -147,8 +147,9 @@ def build_prefill_sm90(restrict: bool, page_shift: int, groups: bool):
     options = dict(HI=32, TB=gluon.GLUON_TOKENS, RESTRICT=restrict, BN=BN, PAGE_SHIFT=page_shift, GROUPS=groups,
                    G=TOPK_GROUP)
     signature = {n: "constexpr" if n in options else types.get(n, "i32") for n in names}
+    strides = ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at", "s_gt")
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if signature[n].startswith("*") or n in ("s_qt", "s_qh", "s_wt", "s_page", "s_bt", "s_st", "s_at", "s_gt")}
+               if signature[n].startswith("*") or n in strides}
     source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in options.items()}, aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, maxnreg=gluon.PREFILL_REGISTERS))

@@ -485,7 +485,6 @@ def _scores_kernel(
                 _cta_barrier()  # every thread's reads of the ring done before the next run refills it
 
 
-
 @gluon.jit
 def _prefill_loader(keys, scales, kbuf, ebuf, ready, empty, t2r, n_entries, table, i_b, i_s, S, T, R, L, rank, world,
                     interleave, s_bt, s_page, num_slots, page_size, TB: gl.constexpr, BN: gl.constexpr,
@@ -533,20 +532,21 @@ def _load_rows(keys, scales, kbuf, ebuf, ready, st, page, first, at, n_t, s_page
     mbarrier.expect(bar, ROWS * 132, pred=go)
     tma.async_copy_global_to_shared(keys, [page * (s_page // 128) + off, 0], bar, kbuf.index(st).slice(at, ROWS, dim=0),
                                     pred=go)
-    tma.async_copy_global_to_shared(scales, [page * (s_page // (4 * ROWS)) + (page_size * 128 + 4 * off) // (4 * ROWS), 0],
-                                    bar, ebuf.index(st).slice(at, ROWS, dim=1), pred=go)
+    scale_row = page * (s_page // (4 * ROWS)) + (page_size * 128 + 4 * off) // (4 * ROWS)
+    tma.async_copy_global_to_shared(scales, [scale_row, 0], bar, ebuf.index(st).slice(at, ROWS, dim=1), pred=go)
     mbarrier.arrive(bar, pred=~go)
 
 
 @gluon.jit
-def _prefill_products(q, w, q_smem, w_smem, kbuf, scale_rows, epi, ready, empty, full, free, t2r, n_entries, i_b, i_s, S,
-                      T, R, L, rank, world, interleave, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr, TB: gl.constexpr,
-                      BN: gl.constexpr, STAGES: gl.constexpr, EPI: gl.constexpr):
+def _prefill_products(q, w, q_smem, w_smem, kbuf, scale_rows, epi, ready, empty, full, free, t2r, n_entries, i_b,
+                      i_s, S, T, R, L, rank, world, interleave, s_qt, s_qh, s_wt, Hi, HI: gl.constexpr,
+                      TB: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, EPI: gl.constexpr):
     """The products' warpgroup (the default partition): the program's ``TB`` tokens' queries
     quantized into shared memory (:func:`_fp8_query`), then for each key block two
     ``[BN, 2 HI]`` products (a pair of tokens each; the second in flight while the first's
-    scores are summed), each token's ``scale * sum_h w[h] relu(.)`` into the epilogue ring's
-    ``[TB, BN]`` slot for :func:`_prefill_stores`."""
+    scores are summed) and each row's and token's ``scale * sum_h w[h] relu(.)`` over the
+    heads each lane of a quad holds (:func:`_lane_sums`), ``[BN, TB, 4]``, into the score
+    ring's slot for :func:`_prefill_stores`."""
     _wait_prior_grid()
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * HI, 32])
     ROW: gl.constexpr = gl.SliceLayout(1, ACC)
@@ -611,9 +611,10 @@ def _prefill_stores(epi, full, free, t2r, n_entries, table, allowed, scores, n_o
                     TB: gl.constexpr, BN: gl.constexpr, PAGE_SHIFT: gl.constexpr, RESTRICT: gl.constexpr,
                     GROUPS: gl.constexpr, G: gl.constexpr, EPI: gl.constexpr):
     """The stores' warpgroup: ``n_out`` and ``tickets`` (and the group counts) of the program's
-    tokens (program column 0), then each block's ``[BN, TB]`` scores from the epilogue ring:
-    ``-inf`` at holes and outside a token's candidate blocks (``RESTRICT``), stored up to each
-    token's own count, with the top-k's group maxima (``GROUPS``)."""
+    tokens (program column 0), then each block's ``[BN, TB]`` scores, its slot's four partial
+    sums a row and token added: ``-inf`` at holes and outside a token's candidate blocks
+    (``RESTRICT``), stored up to each token's own count, with the top-k's group maxima
+    (``GROUPS``)."""
     _wait_prior_grid()
     # a row's two tokens a thread, their four partial sums each
     PL: gl.constexpr = gl.BlockedLayout([1, 2, 4], [32, 1, 1], [2, 2, 1], [2, 0, 1])
@@ -918,12 +919,13 @@ def prefill_descriptors(cache: torch.Tensor) -> Optional[tuple[TensorDescriptor,
     pages, page_size, row_width = cache.shape
     s_page = cache.stride(0)
     rows = min(page_size, BN)
-    if not pages or page_size < 32 or page_size & (page_size - 1) or cache.stride(1) != row_width or cache.stride(2) != 1 \
-            or s_page % (4 * rows):
+    if (not pages or page_size < 32 or page_size & (page_size - 1) or cache.stride(1) != row_width
+            or cache.stride(2) != 1 or s_page % (4 * rows)):
         return None
     keys = TensorDescriptor(cache.view(torch.float8_e4m3fn), [(pages - 1) * (s_page // 128) + page_size, 128],
                             [128, 1], [rows, 128], gl.NVMMASharedLayout.get_default_for([BN, 128], gl.float8e4nv))
-    scales = TensorDescriptor(cache.view(torch.int32), [((pages - 1) * s_page + page_size * row_width) // (4 * rows), rows],
+    scale_rows = ((pages - 1) * s_page + page_size * row_width) // (4 * rows)
+    scales = TensorDescriptor(cache.view(torch.int32), [scale_rows, rows],
                               [rows, 1], [1, rows], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                                                          rank=2))
     return keys, scales
