@@ -311,13 +311,25 @@ def _token_scores(b_s, bits, first, t, i_t, run_j, n_j, o_j, p_scores, s_st, gma
 
 @gluon.jit
 def _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB: gl.constexpr, JL: gl.constexpr):
-    """Program block ``i_b``'s ``TB`` tokens in layout ``JL``: ``(o_j, m_j, row_j, n_j)``, their
-    index in the block, which exist, their request rows and their local counts."""
+    """Program block ``i_b``'s ``TB`` tokens in layout ``JL``: ``(o_j, t_j, m_j, row_j, n_j)``,
+    their index in the block and in the launch, which exist, their request rows and their
+    local counts."""
     o_j = gl.arange(0, TB, JL)
     t_j = i_b * TB + o_j
     m_j = t_j < T
     row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
-    return o_j, m_j, row_j, n_j
+    return o_j, t_j, m_j, row_j, n_j
+
+
+@gluon.jit
+def _store_counts(n_out, tickets, g_counts, t_j, n_j, m_j, T, K, G: gl.constexpr, GROUPS: gl.constexpr):
+    """Program column 0's stores for tokens ``t_j`` (``m_j``: those that exist): their local
+    counts ``n_j`` into ``n_out``, zeros into the top-k's ``tickets``, and with ``GROUPS`` the
+    group counts (:func:`compile_ops.indexer.triton._store_group_counts`)."""
+    gl.store(n_out + t_j, n_j, mask=m_j)
+    gl.store(tickets + t_j, gl.zeros_like(n_j), mask=m_j)
+    if GROUPS:
+        _store_group_counts(g_counts, t_j, T, n_j, K, G, m_j)
 
 
 @gluon.jit
@@ -374,15 +386,9 @@ def _scores_kernel(
     # before the stream's previous kernel has finished
     _wait_prior_grid()
     i_b, i_s = gl.program_id(0), gl.program_id(1)
-    o_j = gl.arange(0, TB, JL)
-    t_j = i_b * TB + o_j
-    m_j = t_j < T
-    row_j, n_j = _local_count(t2r, n_entries, t_j, R, L, rank, world, interleave, m_j)
+    o_j, t_j, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB, JL)
     if i_s == 0:
-        gl.store(n_out + t_j, n_j, mask=m_j)
-        gl.store(tickets + t_j, gl.zeros_like(n_j), mask=m_j)
-        if GROUPS:
-            _store_group_counts(g_counts, t_j, T, n_j, K, G, m_j)
+        _store_counts(n_out, tickets, g_counts, t_j, n_j, m_j, T, K, G, GROUPS)
     if i_s < gl.cdiv(gl.max(n_j, 0), BN):
         w_smem = gl.allocate_shared_memory(gl.float32, [TB // STEP, STEP * HI], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         if FP4:
@@ -496,7 +502,7 @@ def _prefill_loader(keys, scales, kbuf, ebuf, ready, empty, t2r, n_entries, tabl
     :func:`_prefill_stores` masks). A block's pages are loaded before the wait for its slot."""
     _wait_prior_grid()
     ROWS: gl.constexpr = BN if PAGE_SHIFT >= 6 else (1 << PAGE_SHIFT)
-    o_j, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB,
+    o_j, _, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB,
                                            gl.BlockedLayout([1], [32], [1], [0]))  # (one warp)
     used = 0
     for g in range(TB):
@@ -563,7 +569,7 @@ def _prefill_products(q, w, q_smem, w_smem, kbuf, scale_rows, epi, ready, empty,
     first = (gl.arange(0, 2 * HI, COL) < HI)[None, :]  # a pair's columns: its first token's heads
     acc_a = gl.zeros([BN, 2 * HI], gl.float32, ACC)
     acc_b = gl.zeros([BN, 2 * HI], gl.float32, ACC)
-    o_j, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB,
+    o_j, _, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB,
                                            gl.BlockedLayout([1], [32], [4], [0]))
     used = 0
     for g in range(TB):
@@ -621,18 +627,12 @@ def _prefill_stores(epi, full, free, t2r, n_entries, table, allowed, scores, n_o
     EL: gl.constexpr = gl.SliceLayout(2, PL)
     CL: gl.constexpr = gl.SliceLayout(1, EL)
     TL: gl.constexpr = gl.SliceLayout(0, EL)
-    o_u = gl.arange(0, TB, TL)
-    t_u = i_b * TB + o_u
-    m_u = t_u < T
-    row_u, n_u = _local_count(t2r, n_entries, t_u, R, L, rank, world, interleave, m_u)
+    _, t_u, m_u, _, n_u = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB, TL)
     if i_s == 0:
-        gl.store(n_out + t_u, n_u, mask=m_u)
-        gl.store(tickets + t_u, gl.zeros_like(n_u), mask=m_u)
-        if GROUPS:
-            _store_group_counts(g_counts, t_u, T, n_u, K, G, m_u)
+        _store_counts(n_out, tickets, g_counts, t_u, n_u, m_u, T, K, G, GROUPS)
     GL: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1, 2], [2, 16, 1], [2, 1, 2], [1, 0, 2]))
     # the runs, as the other partitions find them
-    o_j, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB,
+    o_j, _, m_j, row_j, n_j = _program_tokens(t2r, n_entries, i_b, T, R, L, rank, world, interleave, TB,
                                            gl.BlockedLayout([1], [32], [4], [0]))
     used = 0
     for g in range(TB):
