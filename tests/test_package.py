@@ -50,6 +50,18 @@ def test_nothing_cites_a_document_outside_the_repo():
     assert hits == []
 
 
+def test_every_public_name_is_in_the_docs():
+    """A name a package exports (``__all__``) is named in the README or ``docs/``: an export
+    added without its reference fails here."""
+    import graphs
+    import lowering
+
+    docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    missing = [f"{package.__name__}.{name}" for package in (compile_ops, graphs, lowering)
+               for name in package.__all__ if name != "__version__" and not re.search(rf"\b{re.escape(name)}\b", docs)]
+    assert missing == []
+
+
 def test_public_docstring_examples_run():
     """Every ``>>>`` example in a public name's docstring runs and prints what it shows."""
     import doctest
