@@ -288,9 +288,13 @@ def read_kv(cache: torch.Tensor, slots: torch.Tensor, kv_format: str, kv_scale: 
     """Dequantized rows of ``slots`` (int tensor, any shape ``S``): fp32 ``[*S, 512]``.
 
     Slots that are ``-1`` or outside ``[0, num_pages * page_size)`` read as zeros; their
-    memory is never touched.
+    memory is never touched. ``slots`` that are not integers (float, bool) are an error.
     """
     fmt = check_cache("cache", cache, kv_format)
+    if not isinstance(slots, torch.Tensor) or slots.dtype.is_floating_point or slots.dtype.is_complex \
+            or slots.dtype == torch.bool:
+        what = slots.dtype if isinstance(slots, torch.Tensor) else type(slots).__name__
+        raise TypeError(f"slots must be an integer torch.Tensor, got {what}")
     if num_slots(cache) == 0:
         return torch.zeros(*slots.shape, HEAD_DIM, device=cache.device)
     page, offset, valid = locate_slots(cache, slots)

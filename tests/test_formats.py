@@ -108,6 +108,13 @@ def test_write_skips_invalid_slots_and_touches_nothing_else(kv_format):
     assert torch.equal(read_kv(cache, torch.tensor([-1, 8, 100]), kv_format), torch.zeros(3, 512))
 
 
+@pytest.mark.parametrize("slots", [torch.tensor([1.0]), torch.tensor([True]), [1]], ids=["float", "bool", "list"])
+def test_read_kv_refuses_slots_that_are_not_integers(slots):
+    """A float or bool index would read rows of its rounded or 0/1 values: refused."""
+    with pytest.raises(TypeError, match="slots must be an integer torch.Tensor"):
+        read_kv(new_cache("bf16", 1, 4), slots, "bf16")
+
+
 def test_bytes_per_token_matches_design():
     assert {k: f.bytes_per_token for k, f in KV_FORMATS.items()} == {
         "bf16": 1024,
