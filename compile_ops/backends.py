@@ -36,7 +36,8 @@ Limits = Callable[[tuple], Optional[str]]  # the op's validated arguments -> rea
 
 @dataclass
 class BackendConfig:
-    """Backend per op family; each is ``"auto"`` or a registered backend name."""
+    """Backend per op family; each is ``"auto"`` or a registered backend name (another name
+    is refused when set, with the names it could be)."""
 
     sparse_mla: str = "auto"
     slots: str = "auto"
@@ -44,6 +45,11 @@ class BackendConfig:
     kv: str = "auto"
     indexer: str = "auto"
     linear: str = "auto"
+
+    def __setattr__(self, family: str, choice: str) -> None:
+        if choice != "auto" and choice not in _check_family(family):
+            raise ValueError(f"compile_ops.config.{family} must be 'auto' or one of {backends(family)}, got {choice!r}")
+        super().__setattr__(family, choice)
 
 
 config = BackendConfig()

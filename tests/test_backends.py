@@ -25,9 +25,13 @@ def test_explicit_backend_that_cannot_run_raises_its_reason(family):
 
 
 def test_unknown_backend_and_family_are_rejected():
-    with compile_ops.use_backends(sparse_mla="cudnn"):
-        with pytest.raises(ValueError, match=r"'auto' or one of .*'reference'.*got 'cudnn'"):
-            compile_ops.backend_for("sparse_mla", "cpu")
+    """An unknown backend name is refused when set, not at the first op call."""
+    with pytest.raises(ValueError, match=r"'auto' or one of .*'reference'.*got 'cudnn'"):
+        with compile_ops.use_backends(sparse_mla="cudnn"):
+            pass
+    with pytest.raises(ValueError, match=r"config.indexer must be 'auto' or one of"):
+        compile_ops.config.indexer = "cudnn"
+    assert compile_ops.config.sparse_mla == "auto" and compile_ops.config.indexer == "auto"
     with pytest.raises(ValueError, match="op family must be one of"):
         compile_ops.backend_for("attention", "cpu")
     with pytest.raises(ValueError, match="use_backends takes"):
