@@ -239,7 +239,8 @@ class StepRunner:
     def step(self, x: Tensor, positions: Tensor | Sequence[int], token_to_req: Tensor | Sequence[int]) -> Tensor:
         """One step of ``n = x.shape[0]`` tokens; returns ``[n, dim]``.
 
-        ``x`` is copied into the static input rows, unless it is the tensor
+        ``x [n, dim]`` (any floating dtype; bf16 saves a conversion) is copied into the static
+        bf16 input rows, unless it is the tensor
         :meth:`input` returned for ``n`` (the step's hidden states written there).
         ``positions`` / ``token_to_req`` are the step's ``[n]`` host integers (what the
         engine's scheduler has): the page allocator checks and plans them on the host, then
@@ -255,7 +256,8 @@ class StepRunner:
         dim = self.layer.cfg.dim
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != dim or not x.is_floating_point():
             got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"x must be the step's hidden states [n, dim = {dim}] (bf16), got {got}")
+            raise ValueError(f"x must be the step's hidden states [n, dim = {dim}], floating point (copied in "
+                             f"as bf16), got {got}")
         positions, token_to_req = _host_ints(positions, "positions"), _host_ints(token_to_req, "token_to_req")
         n = x.shape[0]
         if len(positions) != n or len(token_to_req) != n:
