@@ -34,6 +34,11 @@ Predicate = Callable[[torch.device, Optional[str]], Optional[str]]
 Limits = Callable[[tuple], Optional[str]]  # the op's validated arguments -> reason or None
 
 
+def _check_choice(family: str, choice: str) -> None:
+    if choice != "auto" and choice not in _check_family(family):
+        raise ValueError(f"compile_ops.config.{family} must be 'auto' or one of {backends(family)}, got {choice!r}")
+
+
 @dataclass
 class BackendConfig:
     """Backend per op family; each is ``"auto"`` or a registered backend name (another name
@@ -47,8 +52,7 @@ class BackendConfig:
     linear: str = "auto"
 
     def __setattr__(self, family: str, choice: str) -> None:
-        if choice != "auto" and choice not in _check_family(family):
-            raise ValueError(f"compile_ops.config.{family} must be 'auto' or one of {backends(family)}, got {choice!r}")
+        _check_choice(family, choice)
         super().__setattr__(family, choice)
 
 
@@ -101,11 +105,8 @@ def resolve(family: str, device: torch.device, kv_format: Optional[str] = None,
             reason = limits(args)
         return reason
 
+    _check_choice(family, choice)  # (again: a backend may be unregistered after it was chosen)
     if choice != "auto":
-        if choice not in registry:
-            raise ValueError(
-                f"compile_ops.config.{family} must be 'auto' or one of {list(registry)}, got {choice!r}"
-            )
         predicate, limits, ops = registry[choice]
         reason = unavailable(predicate, limits)
         if reason is not None:
